@@ -1,0 +1,163 @@
+from fairfl.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SelectionMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SELECTION_METHOD_UNSPECIFIED: _ClassVar[SelectionMethod]
+    SELECTION_METHOD_RANDOM: _ClassVar[SelectionMethod]
+    SELECTION_METHOD_POWER_OF_CHOICE: _ClassVar[SelectionMethod]
+    SELECTION_METHOD_CLUSTERED_SAMPLING: _ClassVar[SelectionMethod]
+    SELECTION_METHOD_HICS: _ClassVar[SelectionMethod]
+    SELECTION_METHOD_DIVFL: _ClassVar[SelectionMethod]
+    SELECTION_METHOD_FULL: _ClassVar[SelectionMethod]
+
+class ClusterMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLUSTER_METHOD_UNSPECIFIED: _ClassVar[ClusterMethod]
+    CLUSTER_METHOD_SPECTRAL: _ClassVar[ClusterMethod]
+    CLUSTER_METHOD_HIERARCHICAL: _ClassVar[ClusterMethod]
+SELECTION_METHOD_UNSPECIFIED: SelectionMethod
+SELECTION_METHOD_RANDOM: SelectionMethod
+SELECTION_METHOD_POWER_OF_CHOICE: SelectionMethod
+SELECTION_METHOD_CLUSTERED_SAMPLING: SelectionMethod
+SELECTION_METHOD_HICS: SelectionMethod
+SELECTION_METHOD_DIVFL: SelectionMethod
+SELECTION_METHOD_FULL: SelectionMethod
+CLUSTER_METHOD_UNSPECIFIED: ClusterMethod
+CLUSTER_METHOD_SPECTRAL: ClusterMethod
+CLUSTER_METHOD_HIERARCHICAL: ClusterMethod
+
+class ClientSignature(_message.Message):
+    __slots__ = ("client_id", "round", "num_samples", "bias_update", "activation", "loss")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BIAS_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    round: int
+    num_samples: int
+    bias_update: _tensor_pb2.Tensor
+    activation: _tensor_pb2.Tensor
+    loss: float
+    def __init__(self, client_id: _Optional[int] = ..., round: _Optional[int] = ..., num_samples: _Optional[int] = ..., bias_update: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., activation: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class ReportSignaturesRequest(_message.Message):
+    __slots__ = ("run_id", "signatures")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    signatures: _containers.RepeatedCompositeFieldContainer[ClientSignature]
+    def __init__(self, run_id: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[ClientSignature, _Mapping]]] = ...) -> None: ...
+
+class ReportSignaturesReply(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class SelectionParams(_message.Message):
+    __slots__ = ("temperature", "lambda_entropy", "gamma0", "num_clusters", "total_rounds", "warmup_rounds", "candidates")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    LAMBDA_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    GAMMA0_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    lambda_entropy: float
+    gamma0: float
+    num_clusters: int
+    total_rounds: int
+    warmup_rounds: int
+    candidates: int
+    def __init__(self, temperature: _Optional[float] = ..., lambda_entropy: _Optional[float] = ..., gamma0: _Optional[float] = ..., num_clusters: _Optional[int] = ..., total_rounds: _Optional[int] = ..., warmup_rounds: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
+
+class SelectRequest(_message.Message):
+    __slots__ = ("run_id", "round", "num_to_select", "candidates", "method", "seed", "params", "candidate_losses", "similarity", "candidate_num_samples")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_TO_SELECT_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    SIMILARITY_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    num_to_select: int
+    candidates: _containers.RepeatedScalarFieldContainer[int]
+    method: SelectionMethod
+    seed: int
+    params: SelectionParams
+    candidate_losses: _containers.RepeatedScalarFieldContainer[float]
+    similarity: _tensor_pb2.Tensor
+    candidate_num_samples: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., num_to_select: _Optional[int] = ..., candidates: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[SelectionMethod, str]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[SelectionParams, _Mapping]] = ..., candidate_losses: _Optional[_Iterable[float]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_num_samples: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SelectReply(_message.Message):
+    __slots__ = ("selected", "cluster_of_selected", "selection_seconds")
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_OF_SELECTED_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    selected: _containers.RepeatedScalarFieldContainer[int]
+    cluster_of_selected: _containers.RepeatedScalarFieldContainer[int]
+    selection_seconds: float
+    def __init__(self, selected: _Optional[_Iterable[int]] = ..., cluster_of_selected: _Optional[_Iterable[int]] = ..., selection_seconds: _Optional[float] = ...) -> None: ...
+
+class ClusterRequest(_message.Message):
+    __slots__ = ("run_id", "round", "method", "num_clusters", "client_ids", "rows", "similarity", "seed", "linkage", "true_groups")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SIMILARITY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LINKAGE_FIELD_NUMBER: _ClassVar[int]
+    TRUE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    method: ClusterMethod
+    num_clusters: int
+    client_ids: _containers.RepeatedScalarFieldContainer[int]
+    rows: _tensor_pb2.Tensor
+    similarity: _tensor_pb2.Tensor
+    seed: int
+    linkage: str
+    true_groups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., method: _Optional[_Union[ClusterMethod, str]] = ..., num_clusters: _Optional[int] = ..., client_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., linkage: _Optional[str] = ..., true_groups: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ClusterReply(_message.Message):
+    __slots__ = ("labels", "sizes", "equal_cluster_weights", "nmi")
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    EQUAL_CLUSTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NMI_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    equal_cluster_weights: _containers.RepeatedScalarFieldContainer[float]
+    nmi: float
+    def __init__(self, labels: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., equal_cluster_weights: _Optional[_Iterable[float]] = ..., nmi: _Optional[float] = ...) -> None: ...
+
+class ForgetRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ForgetRunReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
