@@ -45,9 +45,7 @@ class RunningServer:
     health: health.HealthServicer
 
     def set_serving(self, service_names: Iterable[str], serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *service_names]:
             self.health.set(name, status)
 
@@ -76,7 +74,10 @@ def start_server(
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(bind)
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError as err:  # grpcio raises RuntimeError when the address cannot be bound
+        raise OSError(f"could not bind gRPC server to {bind!r}: address in use or not available") from err
     if port == 0:
         raise OSError(f"could not bind gRPC server to {bind!r}: address in use or not available")
     server.start()
@@ -114,3 +115,34 @@ def wait_for_serving(address: str, timeout: float = 30.0, service: str = "") -> 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
     """Abort the RPC with a status and an actionable message (raises)."""
     context.abort(code, message)
+
+
+def serve_until_signal(
+    running: RunningServer, service_names: Iterable[str], on_stop: Callable[[], None] | None = None
+) -> None:
+    """Block until SIGTERM or SIGINT, then report NOT_SERVING, drain in-flight calls and run `on_stop`."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+
+    def _handle(signum: int, _frame: object) -> None:
+        log.info("signal %d received, shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _handle)
+    signal.signal(signal.SIGINT, _handle)
+    stop.wait()
+    running.set_serving(service_names, False)
+    running.stop(grace=2.0)
+    if on_stop is not None:
+        on_stop()
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """One log format for every process, so interleaved output of a local run stays readable."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname).1s %(name)s[%(process)d] %(message)s",
+        datefmt="%H:%M:%S",
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from aggregator_service.server import main
+
+sys.exit(main())

@@ -1,0 +1,39 @@
+"""Content-addressed store of encoded bundles (global models, fair gradients) that clients fetch by sha256."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from fairfl.codec import EncodedBundle
+from fairfl.params import ParamLayout
+from fairfl.v1 import tensor_pb2
+
+
+class BlobStore:
+    """Keeps the most recent `capacity` bundles; a model is encoded once per round and streamed to every client."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._blobs: OrderedDict[str, tuple[EncodedBundle, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, layout: ParamLayout, flat: torch.Tensor) -> tensor_pb2.BlobRef:
+        flat = flat.detach().to(torch.float32).contiguous().clone()  # the store owns an immutable copy
+        bundle = layout.encode(flat)
+        with self._lock:
+            self._blobs[bundle.sha256] = (bundle, flat)
+            self._blobs.move_to_end(bundle.sha256)
+            while len(self._blobs) > self.capacity:
+                self._blobs.popitem(last=False)
+        return tensor_pb2.BlobRef(sha256=bundle.sha256, total_bytes=bundle.total_bytes)
+
+    def get(self, sha256: str) -> tuple[EncodedBundle, torch.Tensor] | None:
+        with self._lock:
+            return self._blobs.get(sha256)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blobs.clear()

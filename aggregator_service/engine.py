@@ -1,0 +1,270 @@
+"""The round engine: select → authorize spend → dispatch phases → aggregate → evaluate → report, every round.
+
+It talks to clients only through `ClientTransport`, to selection through `Selector` and to the privacy ledger
+through `PrivacyGate`. The gRPC implementations of these are the product; in-process ones run the same strategies
+and the same client code without a network, as the oracle the distributed path is tested against.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from aggregator_service.strategies import RoundContext, Strategy, build_strategy
+from client_agent.trainer import build_global_model
+from fairfl.config import ExperimentConfig
+from fairfl.metrics.fairness import fairness_report
+from fairfl.params import ParamLayout, flatten_parameters
+from fairfl.protocol import EVALUATE, ClientResult
+from fairfl.v1 import common_pb2, control_pb2, federation_pb2, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+
+def dataset_signature(config: ExperimentConfig) -> tuple[tuple[int, ...], int]:
+    """Input shape and class count of the configured dataset, known without loading it (the server has no data)."""
+    name = config.data.dataset
+    if name in ("fashion_mnist", "mnist"):
+        return (1, 28, 28), 10
+    if name == "cifar10":
+        return (3, 32, 32), 10
+    if name == "synthetic":
+        return (60,), 10
+    raise ValueError(f"no signature for dataset {name!r}")
+
+
+def initial_model(config: ExperimentConfig) -> tuple[ParamLayout, torch.Tensor]:
+    shape, classes = dataset_signature(config)
+    model = build_global_model(config, shape, classes)
+    return ParamLayout.of(model), flatten_parameters(model)
+
+
+def task_seed(run_seed: int, round_number: int, phase_index: int, client_id: int) -> int:
+    """Seed of one client task: independent streams per (run, round, phase, client), same in every transport."""
+    words = np.random.SeedSequence([run_seed, round_number, phase_index, client_id]).generate_state(2, np.uint32)
+    return int(words[0]) << 31 | int(words[1]) >> 1
+
+
+@dataclass
+class PhaseOutcome:
+    results: list[ClientResult]  # accepted, sorted by client id
+    missing: list[int] = field(default_factory=list)  # tasked clients without an accepted result
+    rejected: int = 0
+    late: int = 0
+
+
+class ClientTransport(ABC):
+    """How the engine reaches clients. Implementations: in-process (oracle) and gRPC (agents dial in)."""
+
+    @abstractmethod
+    def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None: ...
+
+    @abstractmethod
+    def wait_for_clients(self, num_clients: int, timeout: float, stop: threading.Event) -> None: ...
+
+    @abstractmethod
+    def available_clients(self) -> list[int]: ...
+
+    @abstractmethod
+    def publish(self, flat: torch.Tensor) -> tensor_pb2.BlobRef: ...
+
+    @abstractmethod
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome: ...
+
+    def end_run(self, run_id: str) -> None:  # noqa: B027 - optional hook
+        del run_id
+
+
+class Selector(Protocol):
+    def select(self, run_id: str, round_number: int, candidates: list[int], count: int, seed: int) -> list[int]: ...
+
+
+class PrivacyGate(Protocol):
+    def start(self, run_id: str, config: ExperimentConfig) -> None: ...
+
+    def authorize_round(self, run_id: str, round_number: int, config: ExperimentConfig) -> float: ...
+
+
+class RunStopped(Exception):
+    pass
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    state: int
+    rounds_completed: int
+    final_params: torch.Tensor
+    message: str = ""
+
+
+class RoundEngine:
+    def __init__(
+        self,
+        run_id: str,
+        config: ExperimentConfig,
+        transport: ClientTransport,
+        selector: Selector,
+        privacy: PrivacyGate,
+        on_event: Callable[[control_pb2.RunEvent], None],
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.config = config
+        self.transport = transport
+        self.selector = selector
+        self.privacy = privacy
+        self.on_event = on_event
+        self.stop = stop or threading.Event()
+        self.layout, self.params = initial_model(config)
+        self.strategy: Strategy = build_strategy(config.strategy.name, config.strategy.params, config.strategy.server_lr)
+        self.round = 0
+
+    def _status(self, state: int, message: str = "") -> None:
+        status = control_pb2.RunStatus(
+            run_id=self.run_id, state=state, round=self.round, total_rounds=self.config.rounds, message=message,
+            registered_clients=len(self.transport.available_clients()),
+        )
+        self.on_event(control_pb2.RunEvent(run_id=self.run_id, status=status))
+
+    def run(self) -> RunSummary:
+        cfg = self.config
+        self.transport.start_run(self.run_id, cfg, self.layout)
+        try:
+            self._status(control_pb2.RUN_STATE_PENDING, f"waiting for {cfg.data.num_clients} clients")
+            self.transport.wait_for_clients(cfg.data.num_clients, cfg.runtime.register_timeout_s, self.stop)
+            self.privacy.start(self.run_id, cfg)
+            self._status(control_pb2.RUN_STATE_RUNNING)
+            for round_number in range(1, cfg.rounds + 1):
+                if self.stop.is_set():
+                    raise RunStopped("stopped on request")
+                self.round = round_number
+                self._run_round(round_number)
+            self._status(control_pb2.RUN_STATE_COMPLETED, f"completed {cfg.rounds} rounds")
+            return RunSummary(self.run_id, control_pb2.RUN_STATE_COMPLETED, self.round, self.params)
+        except RunStopped as stopped:
+            self._status(control_pb2.RUN_STATE_STOPPED, str(stopped))
+            return RunSummary(self.run_id, control_pb2.RUN_STATE_STOPPED, self.round - 1, self.params, str(stopped))
+        except Exception as err:
+            log.exception("run %s failed", self.run_id)
+            self._status(control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}")
+            return RunSummary(self.run_id, control_pb2.RUN_STATE_FAILED, self.round - 1, self.params, str(err))
+        finally:
+            self.transport.end_run(self.run_id)
+
+    def _round_train_config(self, round_number: int) -> federation_pb2.LocalTrainingConfig:
+        t = self.config.training
+        cfg = federation_pb2.LocalTrainingConfig(
+            batch_size=t.batch_size,
+            lr=t.lr * t.lr_decay ** (round_number - 1),
+            optimizer=federation_pb2.OPTIMIZER_ADAM if t.optimizer == "adam" else federation_pb2.OPTIMIZER_SGD,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            prox_mu=t.prox_mu,
+            loss_eval_batches=t.loss_eval_batches,
+        )
+        if t.local_steps is not None:
+            cfg.local_steps = t.local_steps
+        else:
+            cfg.local_epochs = t.local_epochs or 1
+        return cfg
+
+    def _tasks(self, round_number: int, phase_index: int, phase: int, clients: list[int], model: tensor_pb2.BlobRef,
+               fill: Callable[[federation_pb2.Task], None]) -> list[federation_pb2.Task]:
+        deadline = time.time() + self.config.runtime.round_timeout_s
+        tasks = []
+        for cid in clients:
+            task = federation_pb2.Task(
+                task_id=f"{self.run_id}/r{round_number}/p{phase_index}/c{cid}",
+                run_id=self.run_id, round=round_number, phase=phase, client_id=cid, model=model,  # type: ignore[arg-type]
+                seed=task_seed(self.config.seed, round_number, phase_index, cid), deadline_unix=deadline,
+            )
+            fill(task)
+            tasks.append(task)
+        return tasks
+
+    def _run_round(self, round_number: int) -> None:
+        cfg = self.config
+        started = time.monotonic()
+        model_ref = self.transport.publish(self.params)
+        candidates = sorted(self.transport.available_clients())
+        count = min(cfg.selection.clients_per_round, len(candidates))
+        if count == 0:
+            raise RuntimeError("no clients available")
+        selected = sorted(self.selector.select(self.run_id, round_number, candidates, count, cfg.seed))
+        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg)
+        ctx = RoundContext(self.run_id, round_number, self.params, selected, self._round_train_config(round_number),
+                           self.transport.publish)
+        event = control_pb2.RoundEvent(round=round_number, selected=selected, epsilon_spent=epsilon)
+        phases: list[list[ClientResult]] = []
+        aggregated = True
+        phase_index = 0
+        while (plan := self.strategy.configure(ctx, phase_index, phases)) is not None:
+            clients = plan.clients if plan.clients is not None else selected
+
+            def fill(task: federation_pb2.Task, plan=plan) -> None:
+                if plan.train is not None:
+                    task.train.CopyFrom(plan.train)
+                if plan.probe is not None:
+                    task.probe.CopyFrom(plan.probe)
+
+            outcome = self.transport.execute(
+                self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill), cfg.runtime.round_timeout_s
+            )
+            event.results_accepted += len(outcome.results)
+            event.results_rejected += outcome.rejected
+            event.results_late += outcome.late
+            needed = math.ceil(cfg.runtime.min_completion * len(clients))
+            if len(outcome.results) < needed:
+                log.warning("round %d phase %d: %d of %d results (need %d); model kept", round_number, phase_index,
+                            len(outcome.results), len(clients), needed)
+                aggregated = False
+                break
+            phases.append(outcome.results)
+            phase_index += 1
+        if aggregated and phases:
+            outcome_agg = self.strategy.aggregate(ctx, phases)
+            if not bool(torch.isfinite(outcome_agg.params).all()):
+                raise RuntimeError(f"round {round_number}: aggregation produced non-finite parameters")
+            self.params = outcome_agg.params
+            event.aggregation_weights.extend(outcome_agg.weights[c] for c in sorted(outcome_agg.weights))
+            event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome_agg.metrics.items())
+            losses = [r.metrics.get("train_loss", math.nan) for r in phases[-1]]
+            event.mean_train_loss = float(np.nanmean(losses)) if losses else math.nan
+        if round_number % cfg.evaluation.every == 0 or round_number == cfg.rounds:
+            self._evaluate(round_number, event)
+        event.model_sha256 = self.layout.encode(self.params).sha256
+        event.duration_seconds = time.monotonic() - started
+        self.on_event(control_pb2.RunEvent(run_id=self.run_id, round=event))
+
+    def _evaluate(self, round_number: int, event: control_pb2.RoundEvent) -> None:
+        ref = self.transport.publish(self.params)
+        clients = sorted(self.transport.available_clients())
+        tasks = self._tasks(round_number, 99, EVALUATE, clients, ref,
+                            lambda t: t.evaluate.CopyFrom(federation_pb2.EvaluateConfig()))
+        outcome = self.transport.execute(tasks, self.config.runtime.round_timeout_s)
+        results = outcome.results
+        missing = self.config.data.num_clients - len(results)
+        if not results:
+            log.warning("round %d: no client could be evaluated", round_number)
+            return
+        report = fairness_report(
+            [r.test_accuracy for r in results], losses=[r.test_loss for r in results],
+            num_samples=[r.num_samples for r in results], missing_clients=missing,
+        )
+        event.evaluated = True
+        event.fairness.CopyFrom(control_pb2.FairnessReport(**report.to_dict()))
+        event.clients.extend(
+            control_pb2.ClientEvaluation(client_id=r.client_id, accuracy=r.test_accuracy, loss=r.test_loss,
+                                         num_samples=r.num_samples)
+            for r in results
+        )

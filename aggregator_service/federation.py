@@ -1,0 +1,333 @@
+"""The gRPC transport: agents register, long-poll for tasks, fetch models by sha256 and stream results back.
+
+`GrpcTransport` is the engine's side (dispatch a phase, wait for quorum or deadline); `FederationServicer` is the
+thin RPC layer over the same state. Every result is checked before it can reach a strategy: the task must be open
+and assigned to the submitting client on the submitting agent, the payload must match the model layout, be finite
+and hash to the declared sha256. A refused result leaves the round and the model untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from aggregator_service.blobs import BlobStore
+from aggregator_service.engine import ClientTransport, PhaseOutcome
+from fairfl import __version__, codec
+from fairfl.config import ExperimentConfig
+from fairfl.params import ParamLayout
+from fairfl.protocol import ClientResult, ResultAssembler, check_result
+from fairfl.rpc import CHUNK_BYTES
+from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "fairfl.v1.Federation"
+HEARTBEAT_INTERVAL_S = 5.0
+AGENT_TIMEOUT_S = 30.0  # an agent silent this long no longer counts as available
+MAX_POLL_WAIT_S = 30.0
+CLOSED_TASK_MEMORY = 200_000
+
+
+class Rejected(Exception):
+    """A result refused with a gRPC status; counted, and the round goes on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, late: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.late = late
+
+
+@dataclass
+class _Agent:
+    agent_id: str
+    name: str
+    client_ids: list[int]
+    device: str
+    last_seen: float
+    queue: deque[federation_pb2.Task] = field(default_factory=deque)
+
+
+@dataclass
+class _Batch:
+    """The tasks of one phase, waiting for their results."""
+
+    pending: dict[str, federation_pb2.Task]
+    results: dict[int, ClientResult] = field(default_factory=dict)
+    rejected: int = 0
+    late: int = 0
+
+
+class FederationState:
+    """Registered agents, task queues, open phases and the blob store; shared by the servicer and the transport."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.agents: dict[str, _Agent] = {}
+        self.client_owner: dict[int, str] = {}
+        self.blobs = BlobStore()
+        self.run_id: str | None = None
+        self.run_yaml: dict[str, str] = {}
+        self.layout: ParamLayout | None = None
+        self.open_tasks: dict[str, _Batch] = {}
+        self.closed_tasks: OrderedDict[str, int] = OrderedDict()  # task id -> round, for late/replay answers
+        self.counters = {"rejected": 0, "late": 0, "accepted": 0}
+
+    # -- agents -------------------------------------------------------------------------------------------------
+
+    def register(self, name: str, client_ids: list[int], device: str) -> _Agent:
+        with self.lock:
+            agent = _Agent(uuid.uuid4().hex, name, sorted(set(client_ids)), device, time.monotonic())
+            for cid in agent.client_ids:
+                previous = self.client_owner.get(cid)
+                if previous is not None and previous in self.agents:  # a restarted agent takes its clients back
+                    old = self.agents[previous]
+                    old.client_ids = [c for c in old.client_ids if c != cid]
+                self.client_owner[cid] = agent.agent_id
+            self.agents[agent.agent_id] = agent
+            self.lock.notify_all()
+            return agent
+
+    def touch(self, agent_id: str) -> _Agent | None:
+        with self.lock:
+            agent = self.agents.get(agent_id)
+            if agent is not None:
+                agent.last_seen = time.monotonic()
+            return agent
+
+    def live_clients(self) -> list[int]:
+        now = time.monotonic()
+        with self.lock:
+            return sorted(
+                cid for cid, aid in self.client_owner.items()
+                if aid in self.agents and now - self.agents[aid].last_seen < AGENT_TIMEOUT_S
+            )
+
+    def poll(self, agent_id: str, max_tasks: int, wait: float) -> list[federation_pb2.Task]:
+        deadline = time.monotonic() + min(max(wait, 0.0), MAX_POLL_WAIT_S)
+        with self.lock:
+            while True:
+                agent = self.agents.get(agent_id)
+                if agent is None:
+                    return []
+                agent.last_seen = time.monotonic()
+                now_unix = time.time()
+                while agent.queue and agent.queue[0].deadline_unix < now_unix:
+                    agent.queue.popleft()  # expired before anyone picked it up
+                if agent.queue:
+                    take = max(1, max_tasks)
+                    return [agent.queue.popleft() for _ in range(min(take, len(agent.queue)))]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self.lock.wait(remaining)
+
+    # -- results ------------------------------------------------------------------------------------------------
+
+    def accept(self, header: federation_pb2.ResultHeader, data: Iterable[bytes]) -> None:
+        """Validate a result stream and file it with its phase; raises Rejected with the status to return."""
+        with self.lock:
+            batch = self.open_tasks.get(header.task_id)
+            task = batch.pending.get(header.task_id) if batch else None
+            layout = self.layout
+            if task is None or batch is None:
+                if header.task_id in self.closed_tasks:
+                    self.counters["late"] += 1
+                    raise Rejected(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"task {header.task_id} is closed: round {self.closed_tasks[header.task_id]} finished or its "
+                        "result was already accepted; results are accepted once, while the round is open",
+                        late=True,
+                    )
+                raise Rejected(grpc.StatusCode.NOT_FOUND, f"unknown task {header.task_id!r}: it was never issued")
+            owner = self.client_owner.get(header.client_id)
+            if owner is None:
+                raise Rejected(grpc.StatusCode.NOT_FOUND,
+                               f"unknown client id {header.client_id}: no agent registered it")
+            if header.client_id != task.client_id:
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
+                               f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}")
+            if header.agent_id and header.agent_id != owner:
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
+                               f"client {header.client_id} is hosted by another agent")
+            if (header.run_id, header.round, header.phase) != (task.run_id, task.round, task.phase):
+                raise Rejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"result says run {header.run_id!r} round {header.round} phase {header.phase}; the task is run "
+                    f"{task.run_id!r} round {task.round} phase {task.phase}",
+                )
+        assert layout is not None
+        try:
+            assembler = ResultAssembler(header, layout)
+            for piece in data:
+                assembler.add(piece)
+            result = assembler.finish()
+            check_result(result)
+        except codec.CodecError as err:
+            code = grpc.StatusCode.DATA_LOSS if "sha256" in str(err) else grpc.StatusCode.INVALID_ARGUMENT
+            raise Rejected(code, f"result for task {header.task_id} refused: {err}") from err
+        with self.lock:
+            batch = self.open_tasks.get(header.task_id)
+            if batch is None or header.task_id not in batch.pending:  # closed while we were receiving
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"task {header.task_id} closed while its result was arriving", late=True)
+            del batch.pending[header.task_id]
+            del self.open_tasks[header.task_id]
+            self._remember_closed(header.task_id, header.round)
+            batch.results[result.client_id] = result
+            self.counters["accepted"] += 1
+            self.lock.notify_all()
+
+    def count_rejection(self, task_id: str, late: bool) -> None:
+        with self.lock:
+            self.counters["late" if late else "rejected"] += 0 if late else 1
+            batch = self.open_tasks.get(task_id)
+            if batch is not None:
+                if late:
+                    batch.late += 1
+                else:
+                    batch.rejected += 1
+
+    def _remember_closed(self, task_id: str, round_number: int) -> None:
+        self.closed_tasks[task_id] = round_number
+        while len(self.closed_tasks) > CLOSED_TASK_MEMORY:
+            self.closed_tasks.popitem(last=False)
+
+
+class GrpcTransport(ClientTransport):
+    def __init__(self, state: FederationState) -> None:
+        self.state = state
+
+    def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None:
+        with self.state.lock:
+            self.state.run_id = run_id
+            self.state.run_yaml[run_id] = config.to_yaml()
+            self.state.layout = layout
+
+    def wait_for_clients(self, num_clients: int, timeout: float, stop: threading.Event) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.state.live_clients()) < num_clients:
+            if stop.is_set():
+                from aggregator_service.engine import RunStopped
+
+                raise RunStopped("stopped while waiting for clients")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(self.state.live_clients())} of {num_clients} clients registered within {timeout:.0f}s; "
+                    "start more client agents or lower data.num_clients"
+                )
+            with self.state.lock:
+                self.state.lock.wait(0.2)
+
+    def available_clients(self) -> list[int]:
+        return self.state.live_clients()
+
+    def publish(self, flat: torch.Tensor) -> tensor_pb2.BlobRef:
+        assert self.state.layout is not None
+        return self.state.blobs.put(self.state.layout, flat)
+
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome:
+        state = self.state
+        batch = _Batch(pending={t.task_id: t for t in tasks})
+        deadline = time.monotonic() + timeout
+        missing_owner: list[int] = []
+        with state.lock:
+            for task in tasks:
+                agent = state.agents.get(state.client_owner.get(task.client_id, ""))
+                if agent is None:
+                    missing_owner.append(task.client_id)
+                    del batch.pending[task.task_id]
+                    continue
+                state.open_tasks[task.task_id] = batch
+                agent.queue.append(task)
+            state.lock.notify_all()
+            while batch.pending and (remaining := deadline - time.monotonic()) > 0:
+                state.lock.wait(remaining)
+            for task_id in list(batch.pending):  # close the phase: anything still pending is now late
+                state.open_tasks.pop(task_id, None)
+                state._remember_closed(task_id, batch.pending[task_id].round)
+            for agent in state.agents.values():  # tasks nobody picked up are withdrawn
+                agent.queue = deque(t for t in agent.queue if t.task_id not in batch.pending)
+            results = [batch.results[c] for c in sorted(batch.results)]
+        done = {r.client_id for r in results}
+        missing = sorted({t.client_id for t in tasks} - done)
+        if missing:
+            log.warning("phase closed without results from clients %s", missing[:20])
+        return PhaseOutcome(results, missing, rejected=batch.rejected, late=batch.late)
+
+    def end_run(self, run_id: str) -> None:
+        with self.state.lock:
+            self.state.blobs.clear()
+
+
+class FederationServicer(federation_pb2_grpc.FederationServicer):
+    def __init__(self, state: FederationState) -> None:
+        self.state = state
+
+    def Register(self, request: federation_pb2.RegisterRequest, context: grpc.ServicerContext):  # noqa: N802
+        if not request.client_ids:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register at least one client id")
+        agent = self.state.register(request.agent_name, list(request.client_ids), request.device)
+        log.info("agent %s (%s, %s) registered %d clients", agent.agent_id[:8], request.agent_name, request.device,
+                 len(agent.client_ids))
+        return federation_pb2.RegisterReply(agent_id=agent.agent_id, heartbeat_interval_seconds=HEARTBEAT_INTERVAL_S,
+                                            poll_wait_seconds=10.0)
+
+    def Heartbeat(self, request: federation_pb2.HeartbeatRequest, context: grpc.ServicerContext):  # noqa: N802
+        return federation_pb2.HeartbeatReply(known=self.state.touch(request.agent_id) is not None)
+
+    def PollTasks(self, request: federation_pb2.PollRequest, context: grpc.ServicerContext):  # noqa: N802
+        if self.state.touch(request.agent_id) is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"agent {request.agent_id!r} is not registered (the aggregator may have restarted); "
+                          "register again")
+        wait = request.wait_seconds
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, max(remaining - 1.0, 0.0))
+        return federation_pb2.PollReply(tasks=self.state.poll(request.agent_id, request.max_tasks, wait))
+
+    def GetRunSpec(self, request: federation_pb2.RunSpecRequest, context: grpc.ServicerContext):  # noqa: N802
+        text = self.state.run_yaml.get(request.run_id)
+        if text is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"run {request.run_id!r} is unknown to this aggregator")
+        return federation_pb2.RunSpec(run_id=request.run_id, experiment_yaml=text)
+
+    def FetchBlob(self, request: tensor_pb2.BlobRef, context: grpc.ServicerContext) -> Iterator[tensor_pb2.Chunk]:  # noqa: N802
+        entry = self.state.blobs.get(request.sha256)
+        if entry is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"blob {request.sha256[:16]}… is not held (it belongs to a finished round)")
+        yield from entry[0].chunks(CHUNK_BYTES)
+
+    def SubmitResult(self, request_iterator: Iterator[federation_pb2.ResultChunk],  # noqa: N802
+                     context: grpc.ServicerContext):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a result stream must start with a ResultHeader")
+        header = first.header
+
+        def data() -> Iterator[bytes]:
+            for chunk in request_iterator:
+                if chunk.WhichOneof("part") != "data":
+                    raise codec.CodecError("a second header arrived inside the result stream")
+                yield chunk.data
+
+        try:
+            self.state.accept(header, data())
+        except Rejected as rejected:
+            self.state.count_rejection(header.task_id, rejected.late)
+            log.info("rejected result for %s: %s", header.task_id, rejected)
+            context.abort(rejected.code, str(rejected))
+        return federation_pb2.SubmitReply(accepted=True)
+
+
+__all__ = ["SERVICE_NAME", "FederationServicer", "FederationState", "GrpcTransport", "__version__"]

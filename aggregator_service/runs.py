@@ -1,0 +1,133 @@
+"""Run control: start, watch and stop runs. One run is active at a time; events are kept for replay to watchers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from aggregator_service.engine import RoundEngine
+from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
+from fairfl.v1 import control_pb2, control_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "fairfl.v1.RunControl"
+TERMINAL = {control_pb2.RUN_STATE_COMPLETED, control_pb2.RUN_STATE_STOPPED, control_pb2.RUN_STATE_FAILED}
+
+EngineFactory = Callable[[str, ExperimentConfig, Callable[[control_pb2.RunEvent], None], threading.Event], RoundEngine]
+
+
+@dataclass
+class _Run:
+    run_id: str
+    config: ExperimentConfig
+    stop: threading.Event
+    status: control_pb2.RunStatus
+    events: list[control_pb2.RunEvent] = field(default_factory=list)
+    thread: threading.Thread | None = None
+
+
+class RunManager:
+    def __init__(self, make_engine: EngineFactory) -> None:
+        self.make_engine = make_engine
+        self.cond = threading.Condition()
+        self.runs: dict[str, _Run] = {}
+
+    def active(self) -> _Run | None:
+        with self.cond:
+            return next((r for r in self.runs.values() if r.status.state not in TERMINAL), None)
+
+    def start(self, config: ExperimentConfig, run_id: str = "") -> control_pb2.RunStatus:
+        with self.cond:
+            busy = self.active()
+            if busy is not None:
+                raise RuntimeError(f"run {busy.run_id} is still active; stop it first")
+            run_id = run_id or uuid.uuid4().hex[:12]
+            if run_id in self.runs:
+                raise KeyError(f"run id {run_id!r} already used")
+            status = control_pb2.RunStatus(run_id=run_id, state=control_pb2.RUN_STATE_PENDING,
+                                           total_rounds=config.rounds)
+            run = _Run(run_id, config, threading.Event(), status)
+            self.runs[run_id] = run
+        engine = self.make_engine(run_id, config, lambda e: self._record(run, e), run.stop)
+        run.thread = threading.Thread(target=engine.run, name=f"run-{run_id}", daemon=True)
+        run.thread.start()
+        return status
+
+    def _record(self, run: _Run, event: control_pb2.RunEvent) -> None:
+        with self.cond:
+            run.events.append(event)
+            if event.HasField("status"):
+                run.status = event.status
+            elif event.HasField("round"):
+                run.status.round = event.round.round
+            self.cond.notify_all()
+
+    def get(self, run_id: str) -> _Run:
+        with self.cond:
+            if run_id not in self.runs:
+                raise KeyError(f"run {run_id!r} not found")
+            return self.runs[run_id]
+
+    def watch(self, run_id: str, is_active: Callable[[], bool]) -> Iterator[control_pb2.RunEvent]:
+        run = self.get(run_id)
+        sent = 0
+        while is_active():
+            with self.cond:
+                while sent >= len(run.events) and run.status.state not in TERMINAL:
+                    self.cond.wait(1.0)
+                    if not is_active():
+                        return
+                batch = run.events[sent:]
+                finished = run.status.state in TERMINAL
+            yield from batch
+            sent += len(batch)
+            if finished and sent >= len(run.events):
+                return
+
+    def stop(self, run_id: str, reason: str) -> control_pb2.RunStatus:
+        run = self.get(run_id)
+        run.stop.set()
+        log.info("stop requested for run %s: %s", run_id, reason or "no reason given")
+        return run.status
+
+
+class RunControlServicer(control_pb2_grpc.RunControlServicer):
+    def __init__(self, manager: RunManager) -> None:
+        self.manager = manager
+
+    def StartRun(self, request: control_pb2.StartRunRequest, context: grpc.ServicerContext):  # noqa: N802
+        try:
+            config = experiment_from_yaml(request.experiment_yaml)
+        except ConfigError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid experiment config: {err}")
+        try:
+            return self.manager.start(config, request.run_id)
+        except RuntimeError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except KeyError as err:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err.args[0]))
+
+    def GetRun(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):  # noqa: N802
+        try:
+            return self.manager.get(request.run_id).status
+        except KeyError as err:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+
+    def WatchRun(self, request: control_pb2.WatchRunRequest, context: grpc.ServicerContext):  # noqa: N802
+        try:
+            self.manager.get(request.run_id)
+        except KeyError as err:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        yield from self.manager.watch(request.run_id, context.is_active)
+
+    def StopRun(self, request: control_pb2.StopRunRequest, context: grpc.ServicerContext):  # noqa: N802
+        try:
+            return self.manager.stop(request.run_id, request.reason)
+        except KeyError as err:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))

@@ -1,0 +1,70 @@
+"""Aggregator process: the Federation API for agents and the RunControl API for users, on one port."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from aggregator_service.engine import PrivacyGate, RoundEngine, Selector
+from aggregator_service.federation import SERVICE_NAME as FEDERATION_SERVICE
+from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
+from aggregator_service.peers import LocalPrivacy, LocalSelector, RemotePrivacy, RemoteSelector
+from aggregator_service.runs import SERVICE_NAME as CONTROL_SERVICE
+from aggregator_service.runs import RunControlServicer, RunManager
+from fairfl.config import ExperimentConfig
+from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
+from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAMES = [FEDERATION_SERVICE, CONTROL_SERVICE]
+
+
+class Aggregator:
+    def __init__(self, clustering_address: str = "", privacy_address: str = "") -> None:
+        self.state = FederationState()
+        self.clustering_address = clustering_address
+        self.privacy_address = privacy_address
+        self.manager = RunManager(self._make_engine)
+
+    def _make_engine(self, run_id: str, config: ExperimentConfig,
+                     on_event: Callable[[control_pb2.RunEvent], None], stop: threading.Event) -> RoundEngine:
+        selector: Selector = (RemoteSelector(self.clustering_address, config.selection.method)
+                              if self.clustering_address else LocalSelector(config.selection.method))
+        privacy: PrivacyGate = RemotePrivacy(self.privacy_address) if self.privacy_address else LocalPrivacy()
+        return RoundEngine(run_id, config, GrpcTransport(self.state), selector, privacy, on_event, stop)
+
+    def register(self, server: grpc.Server) -> list[str]:
+        federation_pb2_grpc.add_FederationServicer_to_server(FederationServicer(self.state), server)
+        control_pb2_grpc.add_RunControlServicer_to_server(RunControlServicer(self.manager), server)
+        return SERVICE_NAMES
+
+
+def serve(bind: str, clustering_address: str = "", privacy_address: str = "") -> tuple[RunningServer, Aggregator]:
+    aggregator = Aggregator(clustering_address, privacy_address)
+    return start_server(bind, aggregator.register, max_workers=64), aggregator
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aggregator_service", description="FairFL aggregator")
+    parser.add_argument("--bind", default=os.environ.get("FAIRFL_AGGREGATOR_BIND", "0.0.0.0:50051"))
+    parser.add_argument("--clustering", default=os.environ.get("FAIRFL_CLUSTERING_ADDRESS", ""),
+                        help="clustering service address; empty = select in-process")
+    parser.add_argument("--privacy", default=os.environ.get("FAIRFL_PRIVACY_ADDRESS", ""),
+                        help="privacy service address; empty = in-memory ledger")
+    parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    running, _ = serve(args.bind, args.clustering, args.privacy)
+    print(f"LISTENING {running.port}", flush=True)
+    serve_until_signal(running, SERVICE_NAMES)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Aggregation strategies, one file each, selected by name in the experiment config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aggregator_service.strategies.base import AggregateOutcome, PhasePlan, RoundContext, Strategy, params_from_dict
+from aggregator_service.strategies.fedavg import FedAvg
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg,)}
+
+__all__ = ["STRATEGIES", "AggregateOutcome", "PhasePlan", "RoundContext", "Strategy", "build_strategy",
+           "validate_strategy"]
+
+
+def validate_strategy(name: str, params: dict[str, Any], path: str) -> Any:
+    from fairfl.config import ConfigError
+
+    if name not in STRATEGIES:
+        raise ConfigError(f"{path}.name: unknown strategy {name!r}; available: {', '.join(sorted(STRATEGIES))}")
+    return params_from_dict(STRATEGIES[name].Params, params, path)
+
+
+def build_strategy(name: str, params: dict[str, Any], server_lr: float) -> Strategy:
+    return STRATEGIES[name](validate_strategy(name, params, "strategy"), server_lr)

@@ -1,0 +1,53 @@
+"""FedAvg (McMahan et al. 2017): average of client updates weighted by sample count, with server lr and momentum."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
+from fairfl.protocol import UPDATE, ClientResult
+
+
+@dataclass
+class FedAvgParams:
+    server_momentum: float = 0.0
+
+    def validate(self, path: str) -> None:
+        from fairfl.config import ConfigError
+
+        if not 0.0 <= self.server_momentum < 1.0:
+            raise ConfigError(f"{path}.server_momentum: must be in [0, 1), got {self.server_momentum}")
+
+
+class FedAvg(Strategy):
+    name = "fedavg"
+    Params = FedAvgParams
+
+    def __init__(self, params: FedAvgParams, server_lr: float) -> None:
+        super().__init__(params, server_lr)
+        self.velocity: torch.Tensor | None = None
+
+    def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
+        results = train_results(phases)
+        total = sum(r.num_samples for r in results)
+        weights = [r.num_samples / total for r in results]
+        delta = weighted_sum([r.payloads[UPDATE] for r in results], weights)
+        if self.params.server_momentum > 0:
+            if self.velocity is None:
+                self.velocity = torch.zeros_like(delta)
+            self.velocity.mul_(self.params.server_momentum).add_(delta)
+            delta = self.velocity
+        return AggregateOutcome(
+            params=ctx.params + self.server_lr * delta,
+            weights={r.client_id: w for r, w in zip(results, weights, strict=True)},
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocity": self.velocity}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.velocity = state.get("velocity")

@@ -1,0 +1,5 @@
+import sys
+
+from client_agent.agent import main
+
+sys.exit(main())

@@ -1,0 +1,205 @@
+"""Client agent: dials out to the aggregator, hosts many logical clients, and trains them on its device.
+
+The loop is register → long-poll tasks → fetch the model by sha256 (cached) → run the local procedure → stream the
+result back. Any connection failure leads to a re-registration with exponential backoff, so an agent survives
+aggregator restarts and network blips without losing its clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+import grpc
+import torch
+
+from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
+from fairfl import __version__, codec
+from fairfl.config import experiment_from_yaml
+from fairfl.protocol import encode_result
+from fairfl.rpc import SHORT_DEADLINE, TRANSFER_DEADLINE, configure_logging, open_channel
+from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+MODEL_CACHE_SIZE = 4
+
+
+def parse_client_ids(text: str) -> list[int]:
+    """'0-49' or '0-9,20,30-39' → sorted unique ids."""
+    ids: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            start, end = int(lo), int(hi) if hi else int(lo)
+        except ValueError:
+            raise ValueError(f"bad client range {part!r}: use forms like 0-49 or 3,7,9") from None
+        if start < 0 or end < start:
+            raise ValueError(f"bad client range {part!r}: need 0 <= start <= end")
+        ids.update(range(start, end + 1))
+    if not ids:
+        raise ValueError("no client ids given")
+    return sorted(ids)
+
+
+class Agent:
+    def __init__(self, aggregator: str, client_ids: list[int], device: str = "auto", name: str = "") -> None:
+        self.client_ids = client_ids
+        self.device = resolve_device(device)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.channel = open_channel(aggregator)
+        self.stub = federation_pb2_grpc.FederationStub(self.channel)
+        self.agent_id = ""
+        self.runtimes: dict[str, ClientRuntime] = {}
+        self.models: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.stop = threading.Event()
+        self.tasks_done = 0
+
+    # -- connection ---------------------------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        backoff = 0.1
+        while not self.stop.is_set():
+            try:
+                reply = self.stub.Register(
+                    federation_pb2.RegisterRequest(agent_name=self.name, client_ids=self.client_ids,
+                                                   device=str(self.device), version=__version__),
+                    timeout=SHORT_DEADLINE, wait_for_ready=True,
+                )
+                self.agent_id = reply.agent_id
+                self.heartbeat_interval = reply.heartbeat_interval_seconds or 5.0
+                self.poll_wait = reply.poll_wait_seconds or 10.0
+                log.info("registered as %s with %d clients on %s", self.agent_id[:8], len(self.client_ids), self.device)
+                return
+            except grpc.RpcError as err:
+                log.warning("register failed (%s); retrying in %.1fs", err.code().name, backoff)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _heartbeats(self) -> None:
+        while not self.stop.wait(getattr(self, "heartbeat_interval", 5.0)):
+            if not self.agent_id:
+                continue
+            try:
+                reply = self.stub.Heartbeat(federation_pb2.HeartbeatRequest(agent_id=self.agent_id),
+                                            timeout=SHORT_DEADLINE)
+                if not reply.known:
+                    self.agent_id = ""  # the poll loop re-registers
+            except grpc.RpcError:
+                pass  # the poll loop handles reconnection
+
+    def run(self) -> None:
+        threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
+        while not self.stop.is_set():
+            if not self.agent_id:
+                self._register()
+                continue
+            try:
+                reply = self.stub.PollTasks(
+                    federation_pb2.PollRequest(agent_id=self.agent_id, max_tasks=16, wait_seconds=self.poll_wait),
+                    timeout=self.poll_wait + SHORT_DEADLINE,
+                )
+            except grpc.RpcError as err:
+                log.warning("poll failed (%s: %s); re-registering", err.code().name, err.details())
+                self.agent_id = ""
+                self.stop.wait(0.5)
+                continue
+            for task in reply.tasks:
+                if self.stop.is_set():
+                    break
+                self._handle(task)
+
+    # -- tasks --------------------------------------------------------------------------------------------------
+
+    def _runtime(self, run_id: str) -> ClientRuntime:
+        runtime = self.runtimes.get(run_id)
+        if runtime is None:
+            spec = self.stub.GetRunSpec(federation_pb2.RunSpecRequest(run_id=run_id), timeout=SHORT_DEADLINE)
+            config = experiment_from_yaml(spec.experiment_yaml)
+            data = load_run_data(config)
+            hosted = [c for c in self.client_ids if c < data.num_clients]
+            runtime = ClientRuntime(config, data, hosted, self.device, self._fetch_model)
+            self.runtimes = {run_id: runtime}  # one run at a time: drop older runs' data
+            self.models.clear()
+            log.info("prepared run %s: %d local clients", run_id, len(hosted))
+        return runtime
+
+    def _fetch_model(self, ref: tensor_pb2.BlobRef) -> torch.Tensor:
+        cached = self.models.get(ref.sha256)
+        if cached is not None:
+            self.models.move_to_end(ref.sha256)
+            return cached
+        layout = next(iter(self.runtimes.values())).layout
+        stream = self.stub.FetchBlob(ref, timeout=TRANSFER_DEADLINE)
+        first = next(stream)
+        if first.WhichOneof("part") != "header":
+            raise codec.CodecError("model stream did not start with a header")
+        layout.check_specs(list(first.header.tensors))
+        if first.header.sha256 != ref.sha256:
+            raise codec.CodecError("model stream is not the requested blob")
+        receiver = codec.PayloadReceiver(first.header.total_bytes, ref.sha256, max_bytes=layout.nbytes)
+        for chunk in stream:
+            receiver.add(chunk.data)
+        flat = torch.frombuffer(receiver.finish(), dtype=torch.float32)
+        self.models[ref.sha256] = flat
+        while len(self.models) > MODEL_CACHE_SIZE:
+            self.models.popitem(last=False)
+        return flat
+
+    def _handle(self, task: federation_pb2.Task) -> None:
+        try:
+            runtime = self._runtime(task.run_id)
+            result = runtime.run(task)
+        except Exception:  # a failing task must not kill the agent; the round closes at its deadline
+            log.exception("task %s failed", task.task_id)
+            return
+        result.agent_id = self.agent_id
+        try:
+            self.stub.SubmitResult(encode_result(result, runtime.layout), timeout=TRANSFER_DEADLINE)
+            self.tasks_done += 1
+        except grpc.RpcError as err:
+            log.warning("result for %s refused: %s %s", task.task_id, err.code().name, err.details())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="client_agent", description="FairFL client agent")
+    parser.add_argument("--aggregator", default=os.environ.get("FAIRFL_AGGREGATOR_ADDRESS", "127.0.0.1:50051"))
+    parser.add_argument("--clients", default=os.environ.get("FAIRFL_CLIENTS", ""),
+                        help="logical client ids, e.g. 0-49 or 0-9,20")
+    parser.add_argument("--clients-per-agent", type=int, default=int(os.environ.get("FAIRFL_CLIENTS_PER_AGENT", "0")),
+                        help="derive the range from the pod ordinal (StatefulSet): ordinal*N .. ordinal*N+N-1")
+    parser.add_argument("--device", default=os.environ.get("FAIRFL_DEVICE", "auto"))
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("FAIRFL_THREADS", "1")))
+    parser.add_argument("--name", default=os.environ.get("FAIRFL_AGENT_NAME", ""))
+    parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    if args.clients_per_agent and not args.clients:
+        ordinal = int(socket.gethostname().rsplit("-", 1)[-1])
+        args.clients = f"{ordinal * args.clients_per_agent}-{(ordinal + 1) * args.clients_per_agent - 1}"
+    try:
+        client_ids = parse_client_ids(args.clients)
+    except ValueError as err:
+        parser.error(str(err))
+    torch.set_num_threads(max(1, args.threads))
+    agent = Agent(args.aggregator, client_ids, args.device, args.name)
+
+    import signal
+
+    def _stop(signum: int, _frame: object) -> None:
+        agent.stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

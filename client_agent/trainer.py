@@ -1,0 +1,247 @@
+"""Local procedures of logical clients: train, probe and evaluate. The same code serves both transports.
+
+One `ClientRuntime` per process holds the run's federated data and one reusable model on one device; each task
+loads the global parameters into that model, so hosting many logical clients costs one model's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fairfl.config import ExperimentConfig
+from fairfl.data import FederatedData, build_federated
+from fairfl.models import build_model
+from fairfl.params import ParamLayout, flatten_parameters, load_flat
+from fairfl.protocol import EVALUATE, FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
+from fairfl.v1 import federation_pb2, tensor_pb2
+
+BlobResolver = Callable[[tensor_pb2.BlobRef], torch.Tensor]
+
+EVAL_BATCH = 2048
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {requested!r} requested but CUDA is not available on this machine")
+    return torch.device(requested)
+
+
+def build_global_model(config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """The run's initial model; every process builds the same one from the run seed."""
+    torch.manual_seed(config.seed)
+    kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
+    return build_model(config.model.name, input_shape, num_classes, **kwargs)
+
+
+@dataclass
+class _ClientTensors:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+class ClientRuntime:
+    """Executes tasks for a set of logical clients of one run on one device."""
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        data: FederatedData,
+        client_ids: list[int],
+        device: torch.device,
+        resolve_blob: BlobResolver,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.resolve_blob = resolve_blob
+        self.model = build_global_model(config, data.input_shape, data.num_classes).to(device)
+        self.layout = ParamLayout.of(self.model)
+        self.num_classes = data.num_classes
+        self.clients: dict[int, _ClientTensors] = {}
+        for cid in client_ids:
+            if not 0 <= cid < data.num_clients:
+                raise ValueError(f"client id {cid} outside the run's {data.num_clients} clients")
+            tr, te = data.train_indices[cid], data.test_indices[cid]
+            self.clients[cid] = _ClientTensors(
+                x_train=torch.from_numpy(data.train.x[tr]).to(device),
+                y_train=torch.from_numpy(data.train.y[tr]).to(device),
+                x_test=torch.from_numpy(data.test.x[te]).to(device),
+                y_test=torch.from_numpy(data.test.y[te]).to(device),
+            )
+
+    def run(self, task: federation_pb2.Task) -> ClientResult:
+        client = self.clients.get(task.client_id)
+        if client is None:
+            raise KeyError(f"client {task.client_id} is not hosted here")
+        params = self.resolve_blob(task.model)
+        load_flat(self.model, params)
+        result = ClientResult(
+            task_id=task.task_id,
+            run_id=task.run_id,
+            round=task.round,
+            client_id=task.client_id,
+            phase=task.phase,
+            num_samples=len(client.y_train),
+        )
+        if task.phase == TRAIN:
+            self._train(task, client, params, result)
+        elif task.phase == PROBE:
+            self._probe(task, client, result)
+        elif task.phase == EVALUATE:
+            self._evaluate(task, client, result)
+        else:
+            raise ValueError(f"unknown task phase {task.phase}")
+        return result
+
+    # -- procedures ---------------------------------------------------------------------------------------------
+
+    def _train(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
+        cfg = task.train
+        model = self.model
+        n = len(c.y_train)
+        batch = min(cfg.batch_size, n)
+        gen = torch.Generator().manual_seed(task.seed)
+        steps = cfg.local_steps if cfg.WhichOneof("budget") == "local_steps" else cfg.local_epochs * math.ceil(n / batch)
+        out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+
+        lr = cfg.lr
+        if cfg.HasField("fair_step"):  # FedFair: clients behind the global loss take larger steps
+            lr *= max(0.0, 1.0 + cfg.fair_step.fair_lambda * (out.loss_before - cfg.fair_step.global_loss))
+        params = list(model.parameters())
+        if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
+            opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+        else:
+            opt = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        anchor = [p.detach().clone() for p in params] if cfg.prox_mu > 0 else None
+        fair_grad = None
+        if cfg.HasField("alignment"):
+            fair_grad = [t.to(self.device) for _, t in self.layout.split(self.resolve_blob(cfg.alignment.fair_gradient))]
+
+        model.train()
+        order = torch.empty(0, dtype=torch.long)
+        position = 0
+        loss_sum = 0.0
+        first_step: torch.Tensor | None = None
+        for step in range(steps):
+            if position + batch > len(order):  # new epoch: fresh permutation
+                order = torch.randperm(n, generator=gen)
+                position = 0
+            idx = order[position : position + batch].to(self.device)
+            position += batch
+            logits = model(c.x_train[idx])
+            loss = F.cross_entropy(logits, c.y_train[idx])
+            objective = loss
+            if anchor is not None:
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
+                objective = loss + 0.5 * cfg.prox_mu * prox
+            opt.zero_grad(set_to_none=False)
+            objective.backward()
+            if fair_grad is not None:
+                alpha = cfg.alignment.alpha
+                for p, g in zip(params, fair_grad, strict=True):
+                    p.grad.mul_(1.0 - alpha).add_(g, alpha=alpha)
+            opt.step()
+            loss_sum += float(loss.detach())
+            if step == 0 and cfg.record_first_step:
+                first_step = flatten_parameters(model) - x0
+        x_k = flatten_parameters(model)
+        out.payloads[UPDATE] = x_k - x0
+        if first_step is not None:
+            out.payloads[FIRST_STEP_UPDATE] = first_step
+        out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+        out.metrics["train_loss"] = loss_sum / max(steps, 1)
+        out.metrics["local_steps"] = float(steps)
+        out.metrics["lr"] = lr
+        if cfg.want_bias_update:
+            bias_name = self._classifier_bias_name()
+            offset = 0
+            for name, size in zip(self.layout.names, self.layout.sizes, strict=True):
+                if name == bias_name:
+                    out.bias_update = out.payloads[UPDATE][offset : offset + size].double().numpy().copy()
+                offset += size
+        if cfg.want_activation:
+            out.activation = self._mean_log_softmax_features(c)
+
+    def _probe(self, task: federation_pb2.Task, c: _ClientTensors, out: ClientResult) -> None:
+        cfg = task.probe
+        batch = min(cfg.batch_size or self.config.training.batch_size, len(c.y_train))
+        out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+        if cfg.want_gradient:
+            gen = torch.Generator().manual_seed(task.seed)
+            self.model.train()
+            self.model.zero_grad(set_to_none=False)
+            batches = max(cfg.gradient_batches, 1)
+            for _ in range(batches):
+                idx = torch.randperm(len(c.y_train), generator=gen)[:batch].to(self.device)
+                loss = F.cross_entropy(self.model(c.x_train[idx]), c.y_train[idx]) / batches
+                loss.backward()
+            out.payloads[GRADIENT] = torch.cat([p.grad.reshape(-1) for p in self.model.parameters()]).float().cpu()
+
+    @torch.no_grad()
+    def _evaluate(self, task: federation_pb2.Task, c: _ClientTensors, out: ClientResult) -> None:
+        self.model.eval()
+        correct = 0
+        loss_sum = 0.0
+        for start in range(0, len(c.y_test), EVAL_BATCH):
+            logits = self.model(c.x_test[start : start + EVAL_BATCH])
+            y = c.y_test[start : start + EVAL_BATCH]
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == y).sum())
+        n_test = len(c.y_test)
+        out.num_samples = n_test
+        out.test_accuracy = 100.0 * correct / n_test
+        out.test_loss = loss_sum / n_test
+        if task.evaluate.include_train_loss:
+            out.loss_before = self._mean_loss(c, 0, EVAL_BATCH, task.seed)
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _mean_loss(self, c: _ClientTensors, max_batches: int, batch: int, seed: int) -> float:
+        """F_i at the current parameters: mean cross-entropy over the local training set (or `max_batches`)."""
+        self.model.eval()
+        if max_batches > 0:
+            gen = torch.Generator().manual_seed(seed + 1)
+            idx = torch.randperm(len(c.y_train), generator=gen)[: max_batches * batch].to(self.device)
+            x, y = c.x_train[idx], c.y_train[idx]
+        else:
+            x, y = c.x_train, c.y_train
+        total = 0.0
+        for start in range(0, len(y), EVAL_BATCH):
+            total += float(F.cross_entropy(self.model(x[start : start + EVAL_BATCH]), y[start : start + EVAL_BATCH],
+                                           reduction="sum"))
+        return total / len(y)
+
+    def _classifier_bias_name(self) -> str:
+        for name, param in self.model.named_parameters():
+            if param is self.model.classifier.bias:
+                return name
+        raise ValueError("model has no classifier bias")
+
+    @torch.no_grad()
+    def _mean_log_softmax_features(self, c: _ClientTensors):  # noqa: ANN202 - numpy array
+        self.model.eval()
+        total = None
+        for start in range(0, len(c.y_train), EVAL_BATCH):
+            feats = F.log_softmax(self.model.features(c.x_train[start : start + EVAL_BATCH]), dim=1).sum(0)
+            total = feats if total is None else total + feats
+        return (total / len(c.y_train)).double().cpu().numpy()
+
+
+def load_run_data(config: ExperimentConfig) -> FederatedData:
+    """The run's federated split; every process derives the same one from the config and seed."""
+    d = config.data
+    return build_federated(
+        d.dataset, d.num_clients, d.partition, config.seed, root=d.root, download=d.download,
+        shards_per_client=d.shards_per_client, alpha=d.alpha, min_size=d.min_size, test_per_client=d.test_per_client,
+        synthetic_alpha=d.synthetic_alpha, synthetic_beta=d.synthetic_beta,
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from clustering_service.server import main
+
+sys.exit(main())

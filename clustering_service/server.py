@@ -1,0 +1,57 @@
+"""Process entry point: `python -m clustering_service --bind HOST:PORT`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import grpc
+
+from clustering_service.servicer import SERVICE_NAME, ClusteringServicer
+from clustering_service.state import StateStore
+from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
+from fairfl.v1 import clustering_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BIND = "0.0.0.0:50052"
+BIND_ENV = "FAIRFL_CLUSTERING_BIND"
+
+
+def serve(bind: str, store: StateStore | None = None) -> RunningServer:
+    """Start the Clustering service (plus health and reflection) on `bind`; port 0 picks a free port."""
+    servicer = ClusteringServicer(store)
+
+    def register(server: grpc.Server) -> list[str]:
+        clustering_pb2_grpc.add_ClusteringServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    return start_server(bind, register)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="clustering_service", description="FairFL client selection and clustering")
+    parser.add_argument(
+        "--bind",
+        default=os.environ.get(BIND_ENV, DEFAULT_BIND),
+        help=f"host:port to listen on; port 0 picks a free one (default: ${BIND_ENV} or {DEFAULT_BIND})",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        running = serve(args.bind)
+    except (OSError, RuntimeError) as err:  # grpcio raises RuntimeError when the address cannot be bound
+        log.error("cannot start the clustering service on %s: %s", args.bind, err)
+        return 1
+    # Parents that asked for port 0 read the real port from this line; logs go to stderr, so stdout stays parseable.
+    print(f"LISTENING {running.port}", flush=True)
+    serve_until_signal(running, [SERVICE_NAME])
+    log.info("clustering service stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Experiment configuration: typed dataclasses loaded from YAML and validated at load.
+
+Errors name the bad field by its dotted path (e.g. `training.batch_size: must be >= 1, got 0`), and unknown keys
+are refused with the list of valid ones, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An experiment config is invalid; the message names the field."""
+
+
+Scalar = float | int | str | bool
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["fashion_mnist", "mnist", "cifar10", "synthetic"] = "fashion_mnist"
+    root: str | None = None
+    download: bool = False
+    num_clients: int = 100
+    partition: Literal["iid", "shards", "dirichlet"] = "shards"
+    shards_per_client: int = 2
+    alpha: float = 0.5
+    min_size: int = 10
+    test_per_client: int | None = None
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
+
+    def validate(self, path: str) -> None:
+        _at_least(self.num_clients, 1, f"{path}.num_clients")
+        _at_least(self.shards_per_client, 1, f"{path}.shards_per_client")
+        _positive(self.alpha, f"{path}.alpha")
+        _at_least(self.min_size, 0, f"{path}.min_size")
+        if self.test_per_client is not None:
+            _at_least(self.test_per_client, 1, f"{path}.test_per_client")
+        _positive(self.synthetic_alpha, f"{path}.synthetic_alpha", allow_zero=True)
+        _positive(self.synthetic_beta, f"{path}.synthetic_beta", allow_zero=True)
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["mlp", "cnn", "logreg"] = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [200, 200])
+
+    def validate(self, path: str) -> None:
+        for i, width in enumerate(self.hidden):
+            _at_least(width, 1, f"{path}.hidden[{i}]")
+
+
+@dataclass
+class TrainingConfig:
+    local_steps: int | None = 10
+    local_epochs: int | None = None
+    batch_size: int = 50
+    lr: float = 0.1
+    lr_decay: float = 1.0  # multiplicative per round
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    prox_mu: float = 0.0
+    loss_eval_batches: int = 0  # 0 = whole local training set
+
+    def validate(self, path: str) -> None:
+        if (self.local_steps is None) == (self.local_epochs is None):
+            raise ConfigError(f"{path}: set exactly one of local_steps and local_epochs")
+        if self.local_steps is not None:
+            _at_least(self.local_steps, 1, f"{path}.local_steps")
+        if self.local_epochs is not None:
+            _at_least(self.local_epochs, 1, f"{path}.local_epochs")
+        _at_least(self.batch_size, 1, f"{path}.batch_size")
+        _positive(self.lr, f"{path}.lr")
+        if not 0 < self.lr_decay <= 1:
+            raise ConfigError(f"{path}.lr_decay: must be in (0, 1], got {self.lr_decay}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"{path}.momentum: must be in [0, 1), got {self.momentum}")
+        _positive(self.weight_decay, f"{path}.weight_decay", allow_zero=True)
+        _positive(self.prox_mu, f"{path}.prox_mu", allow_zero=True)
+        _at_least(self.loss_eval_batches, 0, f"{path}.loss_eval_batches")
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "fedavg"
+    server_lr: float = 1.0
+    params: dict[str, Scalar] = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        _positive(self.server_lr, f"{path}.server_lr")
+        from aggregator_service.strategies import validate_strategy  # the registry owns strategy parameters
+
+        validate_strategy(self.name, self.params, path)
+
+
+@dataclass
+class SelectionConfig:
+    method: Literal["random", "full"] = "random"
+    clients_per_round: int = 10
+
+    def validate(self, path: str) -> None:
+        _at_least(self.clients_per_round, 1, f"{path}.clients_per_round")
+
+
+@dataclass
+class EvaluationConfig:
+    every: int = 10  # evaluate every N rounds; the last round is always evaluated
+
+    def validate(self, path: str) -> None:
+        _at_least(self.every, 1, f"{path}.every")
+
+
+@dataclass
+class RuntimeConfig:
+    agents: int = 2
+    round_timeout_s: float = 120.0
+    min_completion: float = 1.0  # fraction of selected clients whose results a round needs to be aggregated
+    register_timeout_s: float = 120.0
+    device: str = "auto"
+    threads_per_agent: int = 1
+
+    def validate(self, path: str) -> None:
+        _at_least(self.agents, 1, f"{path}.agents")
+        _positive(self.round_timeout_s, f"{path}.round_timeout_s")
+        if not 0 < self.min_completion <= 1:
+            raise ConfigError(f"{path}.min_completion: must be in (0, 1], got {self.min_completion}")
+        _positive(self.register_timeout_s, f"{path}.register_timeout_s")
+        _at_least(self.threads_per_agent, 1, f"{path}.threads_per_agent")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"{path}.device: expected 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    seed: int = 0
+    rounds: int = 100
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    output_dir: str = "runs"
+
+    def validate(self, path: str = "") -> None:
+        _at_least(self.rounds, 1, _join(path, "rounds"))
+        _at_least(self.seed, 0, _join(path, "seed"))
+        if self.selection.clients_per_round > self.data.num_clients:
+            raise ConfigError(
+                f"selection.clients_per_round: {self.selection.clients_per_round} exceeds "
+                f"data.num_clients = {self.data.num_clients}"
+            )
+        if self.runtime.agents > self.data.num_clients:
+            raise ConfigError(f"runtime.agents: {self.runtime.agents} agents for {self.data.num_clients} clients")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _at_least(value: int, minimum: int, path: str) -> None:
+    if value < minimum:
+        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
+
+
+def _positive(value: float, path: str, allow_zero: bool = False) -> None:
+    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
+        raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'} and finite, got {value}")
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {args}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {str(k): _coerce(v, args[1], f"{path}.{k}") for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported config type {hint}")  # pragma: no cover - schema bug
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{path or 'config'}: unknown field {unknown[0]!r}; valid fields: {', '.join(names)}")
+    values = {name: _coerce(data[name], hints[name], _join(path, name)) for name in names if name in data}
+    return cls(**values)
+
+
+def _validate_tree(cfg: ExperimentConfig) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value.validate(f.name)
+    cfg.validate()
+
+
+def experiment_from_dict(data: Any) -> ExperimentConfig:
+    cfg = _build(ExperimentConfig, data, "")
+    _validate_tree(cfg)
+    return cfg
+
+
+def experiment_from_yaml(text: str) -> ExperimentConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config is not valid YAML: {err}") from err
+    return experiment_from_dict(data)
+
+
+def load_experiment(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Load and validate a YAML experiment file; `overrides` maps dotted paths to values (e.g. {"rounds": 5})."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    data = yaml.safe_load(p.read_text()) or {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return experiment_from_dict(data)

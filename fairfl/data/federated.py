@@ -1,0 +1,104 @@
+"""Assemble a federated view of a dataset: pooled train/test arrays plus each client's index arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fairfl.data.datasets import ArrayDataset, load_dataset
+from fairfl.data.partition import partition_dirichlet, partition_iid, partition_shards, test_split_following
+from fairfl.data.synthetic import synthetic_leaf
+
+PARTITIONS = ("iid", "shards", "dirichlet")
+
+
+@dataclass(eq=False)
+class FederatedData:
+    """Clients are index arrays into shared pooled datasets, so many logical clients cost no extra copies."""
+
+    train: ArrayDataset
+    test: ArrayDataset
+    train_indices: list[np.ndarray]
+    test_indices: list[np.ndarray]
+
+    def __post_init__(self) -> None:
+        if len(self.train_indices) != len(self.test_indices):
+            raise ValueError(
+                f"{len(self.train_indices)} train index arrays but {len(self.test_indices)} test index arrays"
+            )
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_indices)
+
+    @property
+    def num_classes(self) -> int:
+        return self.train.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.train.input_shape
+
+    def client_label_counts(self, client: int, split: str = "train") -> np.ndarray:
+        """Per-class sample counts of one client's train (default) or test data, length num_classes."""
+        if split == "train":
+            labels = self.train.y[self.train_indices[client]]
+        elif split == "test":
+            labels = self.test.y[self.test_indices[client]]
+        else:
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        return np.bincount(labels, minlength=self.num_classes)
+
+    def client_train(self, client: int) -> ArrayDataset:
+        return self.train.subset(self.train_indices[client])
+
+    def client_test(self, client: int) -> ArrayDataset:
+        return self.test.subset(self.test_indices[client])
+
+
+def build_federated(
+    dataset: str,
+    num_clients: int,
+    partition: str,
+    seed: int,
+    *,
+    root: str | None = None,
+    download: bool = False,
+    shards_per_client: int = 2,
+    alpha: float = 0.5,
+    min_size: int = 10,
+    test_per_client: int | None = None,
+    synthetic_alpha: float = 1.0,
+    synthetic_beta: float = 1.0,
+) -> FederatedData:
+    """Load ``dataset`` and split it among ``num_clients`` clients; the same arguments always give the same split.
+
+    ``partition`` ('iid' | 'shards' | 'dirichlet') splits the training set; each client's test set is drawn from the
+    official test set following its train label mix (``test_per_client`` samples, default len(test) // num_clients).
+    ``dataset='synthetic'`` uses LEAF's Synthetic(α, β) with its own per-client split, ignoring ``partition``.
+    """
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients!r}")
+    if dataset == "synthetic":
+        train, test, train_idx, test_idx = synthetic_leaf(synthetic_alpha, synthetic_beta, num_clients, seed)
+        return FederatedData(train, test, train_idx, test_idx)
+    if partition not in PARTITIONS:
+        raise ValueError(f"unknown partition {partition!r}; valid: {', '.join(PARTITIONS)}")
+
+    train = load_dataset(dataset, "train", root=root, download=download)
+    test = load_dataset(dataset, "test", root=root, download=download)
+    # Independent child streams: changing how one step consumes randomness never shifts the other.
+    partition_rng, test_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    if partition == "iid":
+        train_idx = partition_iid(train.y, num_clients, partition_rng)
+    elif partition == "shards":
+        train_idx = partition_shards(train.y, num_clients, shards_per_client, partition_rng)
+    else:
+        train_idx = partition_dirichlet(train.y, num_clients, alpha, partition_rng, min_size=min_size)
+
+    size = len(test) // num_clients if test_per_client is None else test_per_client
+    if size < 1:
+        raise ValueError(f"test_per_client must be >= 1 (test set has {len(test)} samples for {num_clients} clients)")
+    test_idx = test_split_following([train.y[i] for i in train_idx], test.y, size, train.num_classes, test_rng)
+    return FederatedData(train, test, train_idx, test_idx)

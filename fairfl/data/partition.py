@@ -1,0 +1,197 @@
+"""Client partitioners: split a labelled dataset's indices among federated clients.
+
+Every function takes the labels and a ``np.random.Generator`` (so callers control determinism) and returns one sorted
+int64 index array per client. Partitions of the training set are disjoint; IID and shard partitions cover every sample.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["partition_dirichlet", "partition_iid", "partition_shards", "test_split_following"]
+
+
+def _check_labels(labels: np.ndarray) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
+    if labels.size and not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
+    if labels.size and labels.min() < 0:
+        raise ValueError("labels must be non-negative")
+    return labels
+
+
+def _check_positive_int(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _split_by_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
+    """Group sample indices by owning client; a stable sort keeps each group's indices ascending."""
+    order = np.argsort(owner, kind="stable").astype(np.int64)
+    sizes = np.bincount(owner, minlength=num_clients)
+    return np.split(order, np.cumsum(sizes)[:-1])
+
+
+def partition_iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Uniformly random split into ``num_clients`` parts whose sizes differ by at most one."""
+    labels = _check_labels(labels)
+    _check_positive_int(num_clients, "num_clients")
+    if len(labels) < num_clients:
+        raise ValueError(f"num_clients ({num_clients}) exceeds the number of samples ({len(labels)})")
+    perm = rng.permutation(len(labels))
+    return [np.sort(part).astype(np.int64) for part in np.array_split(perm, num_clients)]
+
+
+def partition_shards(
+    labels: np.ndarray, num_clients: int, shards_per_client: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Label-sorted shards (McMahan et al.; FedEBA+ uses 200 shards, 2 per client).
+
+    Indices are sorted by label, cut into ``num_clients * shards_per_client`` contiguous shards of (near-)equal size,
+    and each client receives ``shards_per_client`` random shards, so it sees at most about that many labels.
+    """
+    labels = _check_labels(labels)
+    _check_positive_int(num_clients, "num_clients")
+    _check_positive_int(shards_per_client, "shards_per_client")
+    num_shards = num_clients * shards_per_client
+    if len(labels) < num_shards:
+        raise ValueError(
+            f"need at least num_clients * shards_per_client = {num_shards} samples for the shards, got {len(labels)}"
+        )
+    by_label = np.argsort(labels, kind="stable")
+    shards = np.array_split(by_label, num_shards)
+    assignment = rng.permutation(num_shards).reshape(num_clients, shards_per_client)
+    return [np.sort(np.concatenate([shards[s] for s in row])).astype(np.int64) for row in assignment]
+
+
+def partition_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    alpha: float,
+    rng: np.random.Generator,
+    min_size: int = 10,
+    max_attempts: int = 1000,
+) -> list[np.ndarray]:
+    """Label-skewed split: each class is divided among clients in proportions ~ Dir(alpha * 1).
+
+    Small ``alpha`` gives clients few dominant classes. The draw is repeated until every client holds at least
+    ``min_size`` samples (at most ``max_attempts`` times), so no client ends up with an unusable sliver of data.
+    """
+    labels = _check_labels(labels)
+    _check_positive_int(num_clients, "num_clients")
+    _check_positive_int(max_attempts, "max_attempts")
+    if not np.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+    if min_size < 0:
+        raise ValueError(f"min_size must be >= 0, got {min_size!r}")
+    n = len(labels)
+    if min_size * num_clients > n:
+        raise ValueError(f"min_size * num_clients = {min_size * num_clients} exceeds the number of samples ({n})")
+    if n < num_clients:
+        raise ValueError(f"num_clients ({num_clients}) exceeds the number of samples ({n})")
+
+    classes = np.unique(labels)
+    class_members = [np.flatnonzero(labels == c) for c in classes]
+    owner = np.empty(n, dtype=np.int64)
+    clients = np.arange(num_clients)
+    sizes = np.zeros(num_clients, dtype=np.int64)
+    for _ in range(max_attempts):
+        for members in class_members:
+            shuffled = rng.permutation(members)
+            proportions = rng.dirichlet(np.full(num_clients, float(alpha)))
+            # Cumulative cut points turn proportions into integer counts that sum exactly to the class size.
+            cuts = np.floor(np.cumsum(proportions) * len(members)).astype(np.int64)
+            cuts[-1] = len(members)
+            counts = np.diff(cuts, prepend=0)
+            owner[shuffled] = np.repeat(clients, counts)
+        sizes = np.bincount(owner, minlength=num_clients)
+        if sizes.min() >= min_size:
+            return _split_by_owner(owner, num_clients)
+    raise ValueError(
+        f"partition_dirichlet: no split with every client holding >= min_size={min_size} samples after "
+        f"{max_attempts} attempts (alpha={alpha}, num_clients={num_clients}, {n} samples; smallest client had "
+        f"{sizes.min()}). Increase alpha, lower min_size or use fewer clients."
+    )
+
+
+def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
+    """Counts proportional to ``weights`` summing exactly to ``total`` (Hamilton's method; ties -> lower index)."""
+    quotas = weights / weights.sum() * total
+    counts = np.floor(quotas).astype(np.int64)
+    short = total - int(counts.sum())
+    if short > 0:
+        remainders = quotas - counts
+        remainders[weights <= 0] = -1.0  # never hand seats to classes the client does not have
+        counts[np.argsort(-remainders, kind="stable")[:short]] += 1
+    return counts
+
+
+def _capped_allocation(weights: np.ndarray, total: int, capacity: np.ndarray) -> np.ndarray:
+    """Proportional allocation that respects per-class capacity by re-spreading any overflow over the other classes."""
+    counts = np.zeros(len(weights), dtype=np.int64)
+    open_classes = (weights > 0) & (capacity > 0)
+    remaining = total
+    while remaining > 0:
+        w = np.where(open_classes, weights, 0.0)
+        alloc = _largest_remainder(w, remaining)
+        room = capacity - counts
+        over = alloc > room
+        if not over.any():
+            return counts + alloc
+        # Saturate the classes that overflow, then share what is left among the rest.
+        counts[over] = capacity[over]
+        open_classes &= ~over
+        remaining = total - int(counts.sum())
+    return counts
+
+
+def test_split_following(
+    train_label_sets: list[np.ndarray],
+    test_labels: np.ndarray,
+    size_per_client: int,
+    num_classes: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Per-client test sets whose class mix follows each client's training label distribution.
+
+    Each client gets exactly ``size_per_client`` test indices (largest-remainder rounding of its train proportions),
+    drawn without replacement within the client; different clients may share test samples. When a class pool is too
+    small the excess is spread over the client's other classes; ValueError if the client's classes cannot supply it.
+    """
+    test_labels = _check_labels(test_labels)
+    _check_positive_int(size_per_client, "size_per_client")
+    _check_positive_int(num_classes, "num_classes")
+    if len(train_label_sets) < 1:
+        raise ValueError("train_label_sets must hold at least one client")
+    if test_labels.size and test_labels.max() >= num_classes:
+        raise ValueError(f"test_labels contain {test_labels.max()}, outside num_classes={num_classes}")
+
+    pool_sizes = np.bincount(test_labels, minlength=num_classes)
+    pool_starts = np.concatenate(([0], np.cumsum(pool_sizes)[:-1]))
+    result: list[np.ndarray] = []
+    for client, train_labels in enumerate(train_label_sets):
+        train_labels = _check_labels(train_labels)
+        if train_labels.size == 0:
+            raise ValueError(f"train_label_sets[{client}] is empty: cannot follow an empty label distribution")
+        if train_labels.max() >= num_classes:
+            raise ValueError(f"train_label_sets[{client}] has label {train_labels.max()} >= num_classes={num_classes}")
+        weights = np.bincount(train_labels, minlength=num_classes).astype(np.float64)
+        available = int(pool_sizes[weights > 0].sum())
+        if available < size_per_client:
+            raise ValueError(
+                f"client {client}: size_per_client={size_per_client} but the test set has only {available} samples "
+                "of that client's classes"
+            )
+        counts = _capped_allocation(weights, size_per_client, pool_sizes)
+        # Random keys sorted within each label group give an independent random order per class in one vectorised
+        # pass; taking the first counts[c] of class c's group samples it without replacement.
+        grouped = np.lexsort((rng.random(len(test_labels)), test_labels))
+        offsets = np.repeat(pool_starts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+        picks = grouped[offsets + np.arange(size_per_client)]
+        result.append(np.sort(picks).astype(np.int64))
+    return result
+
+
+test_split_following.__test__ = False  # type: ignore[attr-defined]  # keep pytest from collecting it when imported

@@ -1,0 +1,123 @@
+"""Local launcher: the services and agents as separate OS processes on free loopback ports.
+
+Each child announces its port with a `LISTENING <port>` line, so nothing races for a port chosen in advance.
+Child output goes to log files in the run directory; the launcher kills every child it started on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fairfl.rpc import wait_for_serving
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[str]
+    log_path: Path
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def _announced_port(child: Child, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    assert child.process.stdout is not None
+    while time.monotonic() < deadline:
+        line = child.process.stdout.readline()
+        if line.startswith("LISTENING "):
+            return int(line.split()[1])
+        if not line and child.process.poll() is not None:
+            break
+    tail = child.log_path.read_text()[-2000:] if child.log_path.exists() else ""
+    raise RuntimeError(f"{child.name} did not start (exit code {child.process.poll()}); log tail:\n{tail}")
+
+
+@dataclass
+class LocalCluster:
+    """Starts and owns the processes of one local deployment."""
+
+    log_dir: Path
+    python: str = sys.executable
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, module: str, args: list[str], announce: bool) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        log_file = log_path.open("w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(
+            [self.python, "-m", module, *args],
+            stdout=subprocess.PIPE if announce else log_file,
+            stderr=log_file,
+            text=True,
+            env=env,
+        )
+        child = Child(name, process, log_path)
+        self.children.append(child)
+        if announce:
+            child.port = _announced_port(child, STARTUP_TIMEOUT_S)
+        return child
+
+    def start_service(self, name: str, module: str, args: list[str]) -> Child:
+        child = self.spawn(name, module, ["--bind", "127.0.0.1:0", *args], announce=True)
+        wait_for_serving(child.address, timeout=STARTUP_TIMEOUT_S)
+        return child
+
+    def start_services(self, state_dir: Path) -> tuple[Child, Child, Child]:
+        privacy = self.start_service("privacy", "privacy_service", ["--db", str(state_dir / "privacy-ledger.sqlite")])
+        clustering = self.start_service("clustering", "clustering_service", [])
+        aggregator = self.start_service(
+            "aggregator", "aggregator_service", ["--clustering", clustering.address, "--privacy", privacy.address]
+        )
+        return aggregator, clustering, privacy
+
+    def start_agents(self, aggregator: str, num_clients: int, agents: int, device: str, threads: int) -> list[Child]:
+        started = []
+        bounds = [round(i * num_clients / agents) for i in range(agents + 1)]
+        for i in range(agents):
+            lo, hi = bounds[i], bounds[i + 1] - 1
+            started.append(self.spawn(
+                f"agent-{i}", "client_agent",
+                ["--aggregator", aggregator, "--clients", f"{lo}-{hi}", "--device", device, "--threads", str(threads),
+                 "--name", f"agent-{i}"],
+                announce=False,
+            ))
+        return started
+
+    def kill(self, name: str) -> None:
+        for child in self.children:
+            if child.name == name and child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+
+    def close(self) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.terminate()
+        deadline = time.monotonic() + 5.0
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+            if child.process.stdout is not None:
+                child.process.stdout.close()
+        self.children.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

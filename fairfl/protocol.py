@@ -1,0 +1,185 @@
+"""Client results as plain Python objects, and their wire form (ResultHeader + chunk stream).
+
+Both transports produce `ClientResult`: the in-process one directly, the gRPC one by decoding the stream with
+`ResultAssembler`, which validates everything a strategy later trusts (layout, dtype, finiteness, digest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fairfl import codec
+from fairfl.params import ParamLayout
+from fairfl.rpc import CHUNK_BYTES
+from fairfl.v1 import common_pb2, federation_pb2
+
+PayloadKind = int  # federation_pb2.PayloadKind value
+UPDATE = federation_pb2.PAYLOAD_KIND_UPDATE
+GRADIENT = federation_pb2.PAYLOAD_KIND_GRADIENT
+FIRST_STEP_UPDATE = federation_pb2.PAYLOAD_KIND_FIRST_STEP_UPDATE
+
+TRAIN = federation_pb2.PHASE_TRAIN
+EVALUATE = federation_pb2.PHASE_EVALUATE
+PROBE = federation_pb2.PHASE_PROBE
+
+NAN = float("nan")
+
+
+@dataclass
+class ClientResult:
+    task_id: str
+    run_id: str
+    round: int
+    client_id: int
+    phase: int
+    num_samples: int
+    loss_before: float = NAN
+    loss_after: float = NAN
+    test_accuracy: float = NAN  # percent
+    test_loss: float = NAN
+    noisy_loss: float = NAN
+    metrics: dict[str, float] = field(default_factory=dict)
+    payloads: dict[PayloadKind, torch.Tensor] = field(default_factory=dict)  # flat float32, model layout
+    bias_update: np.ndarray | None = None
+    activation: np.ndarray | None = None
+    agent_id: str = ""
+
+    def payload_bytes(self) -> int:
+        return sum(t.numel() * 4 for t in self.payloads.values())
+
+
+def encode_result(
+    result: ClientResult, layout: ParamLayout, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[federation_pb2.ResultChunk]:
+    """Header first, then the payload bytes (payloads in kind order, tensors in layout order) in chunks."""
+    kinds = sorted(result.payloads)
+    bundles = [layout.encode(result.payloads[k]) for k in kinds]
+    digest_buffers = [buf for b in bundles for buf in b.buffers]
+    digest = hashlib.sha256()
+    for buf in digest_buffers:
+        digest.update(buf)
+    header = federation_pb2.ResultHeader(
+        task_id=result.task_id,
+        run_id=result.run_id,
+        round=result.round,
+        client_id=result.client_id,
+        phase=result.phase,  # type: ignore[arg-type]
+        agent_id=result.agent_id,
+        num_samples=result.num_samples,
+        loss_before=result.loss_before,
+        loss_after=result.loss_after,
+        test_accuracy=result.test_accuracy,
+        test_loss=result.test_loss,
+        noisy_loss=result.noisy_loss,
+        metrics=[common_pb2.Metric(name=k, value=v) for k, v in result.metrics.items()],
+        payloads=[federation_pb2.Payload(kind=k, tensors=b.specs) for k, b in zip(kinds, bundles, strict=True)],  # type: ignore[arg-type]
+        total_bytes=sum(b.total_bytes for b in bundles),
+        sha256=digest.hexdigest(),
+    )
+    if result.bias_update is not None:
+        header.bias_update.CopyFrom(codec.tensor_to_proto("bias_update", result.bias_update))
+    if result.activation is not None:
+        header.activation.CopyFrom(codec.tensor_to_proto("activation", result.activation))
+    yield federation_pb2.ResultChunk(header=header)
+    for piece in codec.iter_byte_chunks(digest_buffers, chunk_bytes):
+        yield federation_pb2.ResultChunk(data=piece)
+
+
+class ResultAssembler:
+    """Decodes one ResultChunk stream against the run's model layout. Raises codec.CodecError on anything malformed."""
+
+    def __init__(self, header: federation_pb2.ResultHeader, layout: ParamLayout) -> None:
+        self.header = header
+        self.layout = layout
+        kinds = [p.kind for p in header.payloads]
+        if len(set(kinds)) != len(kinds):
+            raise codec.CodecError("a payload kind appears twice in the result header")
+        for payload in header.payloads:
+            if payload.kind not in (UPDATE, GRADIENT, FIRST_STEP_UPDATE):
+                raise codec.CodecError(f"unknown payload kind {payload.kind}")
+            layout.check_specs(list(payload.tensors))
+        expected = layout.nbytes * len(header.payloads)
+        if header.total_bytes != expected:
+            raise codec.CodecError(f"header declares {header.total_bytes} payload bytes, the model needs {expected}")
+        self.receiver = codec.PayloadReceiver(header.total_bytes, header.sha256, max_bytes=expected)
+
+    def add(self, data: bytes) -> None:
+        self.receiver.add(data)
+
+    def finish(self) -> ClientResult:
+        buffer = self.receiver.finish()
+        h = self.header
+        payloads: dict[int, torch.Tensor] = {}
+        for i, payload in enumerate(h.payloads):
+            start = i * self.layout.nbytes
+            flat = torch.frombuffer(buffer, dtype=torch.float32, count=self.layout.numel, offset=start)
+            if not bool(torch.isfinite(flat).all()):
+                raise codec.CodecError(
+                    f"{federation_pb2.PayloadKind.Name(payload.kind)} contains NaN or infinite values"
+                )
+            payloads[payload.kind] = flat
+        result = ClientResult(
+            task_id=h.task_id,
+            run_id=h.run_id,
+            round=h.round,
+            client_id=h.client_id,
+            phase=h.phase,
+            num_samples=h.num_samples,
+            loss_before=h.loss_before,
+            loss_after=h.loss_after,
+            test_accuracy=h.test_accuracy,
+            test_loss=h.test_loss,
+            noisy_loss=h.noisy_loss,
+            metrics={m.name: m.value for m in h.metrics},
+            payloads=payloads,
+            bias_update=_small_vector(h, "bias_update"),
+            activation=_small_vector(h, "activation"),
+            agent_id=h.agent_id,
+        )
+        check_result(result)
+        return result
+
+
+def check_result(result: ClientResult) -> None:
+    """Phase-specific sanity checks every transport applies, so a diverged or hostile client is refused alike."""
+    if result.phase in (TRAIN, PROBE):
+        if result.num_samples < 1:
+            raise codec.CodecError("num_samples must be >= 1 for a training or probe result")
+        if not math.isfinite(result.loss_before):
+            raise codec.CodecError(f"loss_before must be a finite number, got {result.loss_before}")
+        if result.loss_before < 0:
+            raise codec.CodecError(f"loss_before must be >= 0, got {result.loss_before}")
+    if result.phase == TRAIN:
+        if UPDATE not in result.payloads:
+            raise codec.CodecError("a training result must carry an UPDATE payload")
+        if not math.isfinite(result.loss_after) or result.loss_after < 0:
+            raise codec.CodecError(f"loss_after must be a finite number >= 0, got {result.loss_after}")
+    if result.phase == PROBE and result.payloads.keys() - {GRADIENT}:
+        raise codec.CodecError("a probe result may carry only a GRADIENT payload")
+    if result.phase == EVALUATE:
+        if result.payloads:
+            raise codec.CodecError("an evaluation result carries no tensor payload")
+        if not 0.0 <= result.test_accuracy <= 100.0:
+            raise codec.CodecError(f"test_accuracy must be a percentage in [0, 100], got {result.test_accuracy}")
+        if not math.isfinite(result.test_loss) or result.test_loss < 0:
+            raise codec.CodecError(f"test_loss must be a finite number >= 0, got {result.test_loss}")
+        if result.num_samples < 1:
+            raise codec.CodecError("num_samples must be >= 1 for an evaluation result")
+
+
+def _small_vector(header: federation_pb2.ResultHeader, field_name: str) -> np.ndarray | None:
+    if not header.HasField(field_name):
+        return None
+    tensor = codec.tensor_from_proto(getattr(header, field_name))
+    if tensor.dim() != 1 or not tensor.is_floating_point():
+        raise codec.CodecError(f"{field_name} must be a 1-D float vector, got shape {list(tensor.shape)}")
+    array = tensor.to(torch.float64).numpy().copy()
+    if not np.isfinite(array).all():
+        raise codec.CodecError(f"{field_name} contains NaN or infinite values")
+    return array

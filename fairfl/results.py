@@ -1,0 +1,133 @@
+"""Run results: consume RunEvents, print progress and the fairness table, write JSON and CSV files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from google.protobuf.json_format import MessageToDict
+
+from fairfl.config import ExperimentConfig
+from fairfl.v1 import control_pb2
+
+FAIRNESS_COLUMNS = ["mean", "variance", "std", "worst_5", "worst_10", "best_5", "best_10", "jain_index", "cv",
+                    "weighted_accuracy", "mean_loss", "loss_variance", "evaluated_clients", "missing_clients"]
+ROUND_COLUMNS = ["round", "duration_seconds", "selected", "results_accepted", "results_rejected", "results_late",
+                 "mean_train_loss", "epsilon_spent", "model_sha256", *FAIRNESS_COLUMNS]
+
+
+class RunRecorder:
+    """Collects a run's events; prints one line per evaluation round and a progress bar on terminals."""
+
+    def __init__(self, config: ExperimentConfig, out: TextIO | None = None, quiet: bool = False) -> None:
+        self.config = config
+        self.out = out or sys.stdout
+        self.quiet = quiet
+        self.rounds: list[control_pb2.RoundEvent] = []
+        self.status: control_pb2.RunStatus | None = None
+        self.started = time.monotonic()
+        self.tty = self.out.isatty()
+
+    def __call__(self, event: control_pb2.RunEvent) -> None:
+        if event.HasField("status"):
+            self.status = event.status
+            if not self.quiet and event.status.message:
+                self._line(f"[{control_pb2.RunState.Name(event.status.state)[10:].lower()}] {event.status.message}")
+            return
+        r = event.round
+        self.rounds.append(r)
+        if self.quiet:
+            return
+        if r.evaluated:
+            f = r.fairness
+            self._line(
+                f"round {r.round:>5}/{self.config.rounds}  acc {f.mean:6.2f}  var {f.variance:8.2f}  "
+                f"worst5% {f.worst_5:6.2f}  best5% {f.best_5:6.2f}  ({time.monotonic() - self.started:6.1f}s)"
+            )
+        elif self.tty:
+            done = r.round / self.config.rounds
+            bar = "#" * int(30 * done)
+            self.out.write(f"\r[{bar:<30}] round {r.round}/{self.config.rounds}")
+            self.out.flush()
+
+    def _line(self, text: str) -> None:
+        if self.tty:
+            self.out.write("\r" + " " * 60 + "\r")
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    @property
+    def final_evaluation(self) -> control_pb2.RoundEvent | None:
+        return next((r for r in reversed(self.rounds) if r.evaluated), None)
+
+    def fairness_table(self) -> str:
+        final = self.final_evaluation
+        if final is None:
+            return "no evaluation round completed"
+        f = final.fairness
+        rows = [
+            ("mean accuracy (%)", f.mean), ("pooled accuracy (%)", f.weighted_accuracy), ("variance (%²)", f.variance),
+            ("std (%)", f.std), ("worst 5% (%)", f.worst_5), ("worst 10% (%)", f.worst_10), ("best 5% (%)", f.best_5),
+            ("best 10% (%)", f.best_10), ("Jain's index", f.jain_index), ("coeff. of variation", f.cv),
+            ("mean test loss", f.mean_loss), ("clients evaluated", f.evaluated_clients),
+            ("clients missing", f.missing_clients),
+        ]
+        width = max(len(k) for k, _ in rows)
+        title = f"Fairness after round {final.round} ({self.config.strategy.name}, {self.config.data.dataset})"
+        lines = [title, "-" * len(title)]
+        for key, value in rows:
+            text = f"{value:.4f}" if isinstance(value, float) and not float(value).is_integer() else f"{value:g}"
+            lines.append(f"{key:<{width}}  {text:>12}")
+        return "\n".join(lines)
+
+    def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        final = self.final_evaluation
+        return {
+            "run_id": self.status.run_id if self.status else "",
+            "state": control_pb2.RunState.Name(self.status.state) if self.status else "UNKNOWN",
+            "message": self.status.message if self.status else "",
+            "rounds_completed": len(self.rounds),
+            "wall_seconds": round(time.monotonic() - self.started, 3),
+            "final_round": final.round if final else None,
+            "final_fairness": {k: _num(getattr(final.fairness, k)) for k in FAIRNESS_COLUMNS} if final else None,
+            "final_model_sha256": self.rounds[-1].model_sha256 if self.rounds else None,
+            "config": self.config.to_dict(),
+            **(extra or {}),
+        }
+
+    def write(self, directory: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        directory.mkdir(parents=True, exist_ok=True)
+        summary = self.summary(extra)
+        summary["rounds"] = [MessageToDict(r, preserving_proto_field_name=True) for r in self.rounds if r.evaluated]
+        (directory / "results.json").write_text(json.dumps(summary, indent=2, allow_nan=True))
+        with (directory / "rounds.csv").open("w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(ROUND_COLUMNS)
+            for r in self.rounds:
+                row: list[Any] = [r.round, f"{r.duration_seconds:.4f}", " ".join(map(str, r.selected)),
+                                  r.results_accepted, r.results_rejected, r.results_late, _fmt(r.mean_train_loss),
+                                  _fmt(r.epsilon_spent), r.model_sha256]
+                row += [_fmt(getattr(r.fairness, c)) if r.evaluated else "" for c in FAIRNESS_COLUMNS]
+                writer.writerow(row)
+        with (directory / "clients.csv").open("w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["round", "client_id", "accuracy", "loss", "num_samples"])
+            for r in self.rounds:
+                for c in r.clients:
+                    writer.writerow([r.round, c.client_id, _fmt(c.accuracy), _fmt(c.loss), c.num_samples])
+        return summary
+
+
+def _num(value: float) -> float | int | None:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def _fmt(value: float) -> str:
+    return "" if isinstance(value, float) and math.isnan(value) else f"{value:.6g}"

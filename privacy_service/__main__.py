@@ -1,0 +1,5 @@
+import sys
+
+from privacy_service.server import main
+
+sys.exit(main())

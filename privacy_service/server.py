@@ -1,0 +1,81 @@
+"""Process entry point of the privacy service: a gRPC server over a SQLite ledger."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
+from fairfl.v1 import privacy_pb2_grpc
+from privacy_service.ledger import Ledger, SqliteLedger
+from privacy_service.servicer import SERVICE_NAME, PrivacyServicer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BIND = "0.0.0.0:50053"
+DEFAULT_DB = "privacy-ledger.sqlite"
+
+
+@dataclasses.dataclass
+class PrivacyServer(RunningServer):
+    """A running privacy server that closes its ledger after the last in-flight call has drained."""
+
+    ledger: Ledger | None = None
+
+    def stop(self, grace: float = 1.0) -> None:
+        super().stop(grace)
+        if self.ledger is not None:
+            self.ledger.close()
+
+
+def serve(bind: str, db_path: str) -> PrivacyServer:
+    """Open (or create) the ledger at `db_path` and serve fairfl.v1.Privacy on `bind` ("host:port", port 0 = any)."""
+    ledger = SqliteLedger(db_path)
+
+    def register(server: grpc.Server) -> list[str]:
+        privacy_pb2_grpc.add_PrivacyServicer_to_server(PrivacyServicer(ledger), server)
+        return [SERVICE_NAME]
+
+    try:
+        running = start_server(bind, register)
+    except BaseException:
+        ledger.close()
+        raise
+    return PrivacyServer(server=running.server, port=running.port, health=running.health, ledger=ledger)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="privacy_service", description="FairFL privacy service (DP ledger).")
+    parser.add_argument(
+        "--bind",
+        default=os.environ.get("FAIRFL_PRIVACY_BIND", DEFAULT_BIND),
+        help="host:port to listen on; port 0 picks a free one (env FAIRFL_PRIVACY_BIND, default %(default)s)",
+    )
+    parser.add_argument(
+        "--db",
+        default=os.environ.get("FAIRFL_PRIVACY_DB", DEFAULT_DB),
+        help="SQLite ledger file, created if missing (env FAIRFL_PRIVACY_DB, default %(default)s)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        running = serve(args.bind, args.db)
+    except Exception as err:  # unusable address or ledger file: say so instead of a traceback
+        log.error("cannot start the privacy service: %s", err)
+        return 1
+    log.info("privacy ledger at %s", os.path.abspath(args.db))
+    # Machine-readable line so launchers (and tests) using port 0 learn the bound port.
+    print(f"LISTENING {running.port}", flush=True)
+    serve_until_signal(running, [SERVICE_NAME])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Accountant against published reference values (landscape §3.2) and the FedFDP golden vectors (seed-fedfdp §2.5)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from privacy_service.accountant import (
+    PAPER_ORDERS,
+    EventSpec,
+    calibrate_noise,
+    epsilon,
+    max_rounds,
+    paper_parity_max_rounds,
+)
+
+DELTA = 1e-5
+Q = 0.05
+
+
+def grad(t: int, sigma: float = 2.0) -> EventSpec:
+    return EventSpec(Q, sigma, t)
+
+
+def loss(t: int, sigma_l: float = 5.0) -> EventSpec:
+    return EventSpec(Q, sigma_l, t)
+
+
+# --- published anchors -----------------------------------------------------------------------------------------------
+
+
+def test_tf_privacy_anchor_a() -> None:
+    eps, order = epsilon([EventSpec(0.0025, 1.3, 6000)], DELTA)
+    assert eps == pytest.approx(0.7242234026109595, abs=1e-6)
+    assert order == 19.0
+
+
+def test_opacus_anchor_c() -> None:
+    eps, _ = epsilon([EventSpec(0.04, 1.5, 2250)], DELTA)
+    assert eps == pytest.approx(7.32911117143, rel=1e-4)
+
+
+# --- seed-fedfdp §2.5 ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("events", "paper", "default"),
+    [
+        ([grad(778)], (3.523354, 6.0), (3.509543, 6.4)),
+        ([grad(778), loss(778)], (3.763360, 6.0), (3.761453, 6.2)),
+        ([grad(683), loss(683)], (3.518967, 6.0), (3.503328, 6.5)),
+        ([grad(65)], (0.995726, 16.0), (0.995726, 16.0)),
+        ([grad(607, 1.65), loss(607)], (4.188746, 6.0), (4.172929, 5.6)),
+        ([grad(778), loss(778, 1.0)], (11.291556, 3.0), (11.291556, 3.0)),
+    ],
+)
+def test_fedfdp_golden_vectors(
+    events: list[EventSpec], paper: tuple[float, float], default: tuple[float, float]
+) -> None:
+    eps, order = epsilon(events, DELTA, orders=PAPER_ORDERS)
+    assert eps == pytest.approx(paper[0], abs=1e-6)
+    assert order == paper[1]
+    eps, order = epsilon(events, DELTA)
+    assert eps == pytest.approx(default[0], abs=1e-6)
+    assert order == pytest.approx(default[1])
+
+
+def test_pld_is_tighter_than_rdp() -> None:
+    eps, order = epsilon([grad(778), loss(778)], DELTA, accountant="pld")
+    assert eps == pytest.approx(3.4570, abs=5e-4)
+    assert math.isnan(order)
+
+
+def test_events_with_equal_mechanisms_are_merged() -> None:
+    split = [grad(300), grad(478), loss(0), loss(778)]
+    assert epsilon(split, DELTA) == pytest.approx(epsilon([grad(778), loss(778)], DELTA))
+
+
+def test_no_events_spends_nothing() -> None:
+    eps, order = epsilon([], DELTA)
+    assert eps == 0.0 and math.isnan(order)
+    assert epsilon([grad(0)], DELTA)[0] == 0.0
+
+
+def test_full_batch_is_plain_gaussian() -> None:
+    # q = 1: one Gaussian release with σ = 1 has RDP α/2; minimised over orders it is finite and positive.
+    eps, _ = epsilon([EventSpec(1.0, 1.0, 1)], DELTA)
+    assert 0 < eps < epsilon([EventSpec(1.0, 1.0, 2)], DELTA)[0]
+
+
+# --- inverse queries -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sigma", "target", "code", "grad_only", "grad_and_loss"),
+    [
+        (2.0, 1.0, 65, 65, 58),
+        (2.0, 2.0, 268, 267, 237),
+        (2.0, 3.0, 582, 580, 512),
+        (2.0, 3.52, 778, 776, 683),
+        (2.0, 4.0, 988, 988, 869),
+        (1.65, 4.0, 607, 606, 559),
+    ],
+)
+def test_rounds_for_target(sigma: float, target: float, code: int, grad_only: int, grad_and_loss: int) -> None:
+    assert paper_parity_max_rounds(Q, sigma, target, DELTA) == code
+    assert max_rounds([grad(1, sigma)], [], target, DELTA, orders=PAPER_ORDERS) == grad_only
+    assert max_rounds([grad(1, sigma), loss(1)], [], target, DELTA, orders=PAPER_ORDERS) == grad_and_loss
+
+
+def test_max_rounds_is_exact() -> None:
+    per_round = [grad(1), loss(1)]
+    t = max_rounds(per_round, [], 3.52, DELTA)
+    assert t == 688  # dp_accounting default orders (§2.5)
+    assert epsilon([grad(t), loss(t)], DELTA)[0] <= 3.52 < epsilon([grad(t + 1), loss(t + 1)], DELTA)[0]
+
+
+def test_max_rounds_counts_what_was_already_spent() -> None:
+    assert max_rounds([grad(1), loss(1)], [grad(600), loss(600)], 3.52, DELTA, orders=PAPER_ORDERS) == 83
+    assert max_rounds([grad(1)], [grad(5000)], 3.52, DELTA) == 0
+
+
+def test_max_rounds_with_multi_step_rounds() -> None:
+    # K = 5 local steps per round: a fifth of the step budget, rounded down.
+    assert max_rounds([grad(5)], [], 3.52, DELTA, orders=PAPER_ORDERS) == 776 // 5
+
+
+def test_max_rounds_without_spend_is_capped() -> None:
+    assert max_rounds([grad(0)], [], 1.0, DELTA, limit=1234) == 1234
+
+
+def test_epsilon_is_monotone_in_rounds_rate_and_noise() -> None:
+    eps_t = [epsilon([grad(t), loss(t)], DELTA)[0] for t in (1, 10, 100, 500, 1000, 5000)]
+    assert eps_t == sorted(eps_t) and len(set(eps_t)) == len(eps_t)
+    eps_q = [epsilon([EventSpec(q, 2.0, 100)], DELTA)[0] for q in (0.001, 0.01, 0.05, 0.2, 1.0)]
+    assert eps_q == sorted(eps_q)
+    eps_s = [epsilon([EventSpec(Q, s, 100)], DELTA)[0] for s in (8.0, 4.0, 2.0, 1.0, 0.5)]
+    assert eps_s == sorted(eps_s)
+
+
+@pytest.mark.parametrize(("target", "q", "steps"), [(8.0, 0.04, 2250), (1.0, 0.01, 1000), (3.52, 0.05, 778)])
+def test_calibrate_noise_round_trip(target: float, q: float, steps: int) -> None:
+    sigma = calibrate_noise(target, DELTA, q, steps)
+    eps, _ = epsilon([EventSpec(q, sigma, steps)], DELTA)
+    assert eps <= target  # always on the safe side
+    assert eps == pytest.approx(target, abs=1e-4)
+    assert epsilon([EventSpec(q, sigma - 1e-4, steps)], DELTA)[0] > target  # and close to the smallest such σ
+
+
+def test_calibrate_noise_matches_opacus_anchor_e() -> None:
+    # Opacus' get_noise_multiplier (its own orders, tolerance 0.01 in ε) gives 1.416 for these inputs.
+    assert calibrate_noise(8.0, DELTA, 0.04, 2250) == pytest.approx(1.416, abs=2e-3)
+
+
+def test_calibrate_noise_is_monotone() -> None:
+    sigmas = [calibrate_noise(eps, DELTA, Q, 500, orders=PAPER_ORDERS) for eps in (0.5, 1.0, 2.0, 4.0)]
+    assert sigmas == sorted(sigmas, reverse=True)
+
+
+# --- validation ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: epsilon([EventSpec(0.0, 1.0, 1)], DELTA), "sample_rate"),
+        (lambda: epsilon([EventSpec(1.5, 1.0, 1)], DELTA), "sample_rate"),
+        (lambda: epsilon([EventSpec(math.nan, 1.0, 1)], DELTA), "sample_rate"),
+        (lambda: epsilon([EventSpec(0.1, 0.0, 1)], DELTA), "noise_multiplier"),
+        (lambda: epsilon([EventSpec(0.1, math.inf, 1)], DELTA), "noise_multiplier"),
+        (lambda: epsilon([EventSpec(0.1, 1.0, -1)], DELTA), "count"),
+        (lambda: epsilon([EventSpec(0.1, 1.0, 1.5)], DELTA), "count"),  # type: ignore[arg-type]
+        (lambda: epsilon([grad(1)], 0.0), "delta"),
+        (lambda: epsilon([grad(1)], 1.0), "delta"),
+        (lambda: epsilon([grad(1)], DELTA, orders=[2.0, 1.0]), "orders"),
+        (lambda: epsilon([grad(1)], DELTA, accountant="gdp"), "accountant"),
+        (lambda: max_rounds([grad(1)], [], 0.0, DELTA), "target_eps"),
+        (lambda: max_rounds([EventSpec(0.1, -1.0, 1)], [], 1.0, DELTA), "per_round_events[0].noise_multiplier"),
+        (lambda: calibrate_noise(1.0, DELTA, Q, 0), "steps"),
+        (lambda: calibrate_noise(-1.0, DELTA, Q, 10), "target_eps"),
+        (lambda: paper_parity_max_rounds(2.0, 2.0, 3.52, DELTA), "sample_rate"),
+    ],
+)
+def test_validation_names_the_argument(call: object, name: str) -> None:
+    with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
+        call()  # type: ignore[operator]
