@@ -12,6 +12,7 @@ import grpc
 
 from aggregator_service.engine import RoundEngine
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
+from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class _Run:
     status: control_pb2.RunStatus
     events: list[control_pb2.RunEvent] = field(default_factory=list)
     thread: threading.Thread | None = None
+    engine: RoundEngine | None = None
 
 
 class RunManager:
@@ -55,6 +57,7 @@ class RunManager:
             run = _Run(run_id, config, threading.Event(), status)
             self.runs[run_id] = run
         engine = self.make_engine(run_id, config, lambda e: self._record(run, e), run.stop)
+        run.engine = engine
         run.thread = threading.Thread(target=engine.run, name=f"run-{run_id}", daemon=True)
         run.thread.start()
         return status
@@ -131,3 +134,13 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
             return self.manager.stop(request.run_id, request.reason)
         except KeyError as err:
             context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+
+    def FetchModel(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):  # noqa: N802
+        try:
+            run = self.manager.get(request.run_id)
+        except KeyError as err:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        engine = run.engine
+        if engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"run {request.run_id} has no model yet")
+        yield from engine.layout.encode(engine.params).chunks(CHUNK_BYTES)

@@ -1,4 +1,5 @@
 from fairfl.v1 import common_pb2 as _common_pb2
+from fairfl.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from fairfl.v1 import control_pb2 as fairfl_dot_v1_dot_control__pb2
+from fairfl.v1 import tensor_pb2 as fairfl_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -54,6 +55,11 @@ class RunControlStub:
                 request_serializer=fairfl_dot_v1_dot_control__pb2.StopRunRequest.SerializeToString,
                 response_deserializer=fairfl_dot_v1_dot_control__pb2.RunStatus.FromString,
                 _registered_method=True)
+        self.FetchModel = channel.unary_stream(
+                '/fairfl.v1.RunControl/FetchModel',
+                request_serializer=fairfl_dot_v1_dot_control__pb2.GetRunRequest.SerializeToString,
+                response_deserializer=fairfl_dot_v1_dot_tensor__pb2.Chunk.FromString,
+                _registered_method=True)
 
 
 class RunControlServicer:
@@ -84,6 +90,13 @@ class RunControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchModel(self, request, context):
+        """The run's current global model as a chunk stream (header with tensor specs, then data).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +119,11 @@ def add_RunControlServicer_to_server(servicer, server):
                     servicer.StopRun,
                     request_deserializer=fairfl_dot_v1_dot_control__pb2.StopRunRequest.FromString,
                     response_serializer=fairfl_dot_v1_dot_control__pb2.RunStatus.SerializeToString,
+            ),
+            'FetchModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchModel,
+                    request_deserializer=fairfl_dot_v1_dot_control__pb2.GetRunRequest.FromString,
+                    response_serializer=fairfl_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +234,33 @@ class RunControl:
             '/fairfl.v1.RunControl/StopRun',
             fairfl_dot_v1_dot_control__pb2.StopRunRequest.SerializeToString,
             fairfl_dot_v1_dot_control__pb2.RunStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fairfl.v1.RunControl/FetchModel',
+            fairfl_dot_v1_dot_control__pb2.GetRunRequest.SerializeToString,
+            fairfl_dot_v1_dot_tensor__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,7 +72,8 @@ class PrivacyServicer:
 
     def AuthorizeRound(self, request, context):
         """Check the planned events against the budget and record them atomically; refused with RESOURCE_EXHAUSTED
-        when any principal would exceed it. Idempotent by (run, round, principal, mechanism).
+        when any principal would exceed it. Idempotent per (run, round): resending a recorded round with the same
+        events is a replay (nothing added); with different events it is refused with ALREADY_EXISTS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

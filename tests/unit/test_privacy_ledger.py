@@ -261,7 +261,7 @@ def test_concurrent_authorizations_never_overspend(tmp_path: Path) -> None:
     led.close()
 
 
-def test_failed_insert_rolls_back(tmp_path: Path) -> None:
+def test_locked_ledger_refuses_cleanly(tmp_path: Path) -> None:
     path = str(tmp_path / "ledger.sqlite")
     led = SqliteLedger(path)
     register(led)

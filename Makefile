@@ -1,0 +1,69 @@
+# FairFL front door. `make run` runs the default experiment; `make test` runs the whole suite.
+# Both set everything up first (virtualenv, pinned dependencies, Fashion-MNIST when it can be installed).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+FMNIST_DIR := /usr/share/datasets/fashion-mnist
+CONFIG ?= experiments/quickstart.yaml
+PYTEST_ARGS ?=
+
+.PHONY: help setup dataset run run-inprocess test test-unit test-integration lint format protos clean
+
+help:
+	@echo "make run          run $(CONFIG) over gRPC (services and agents as local processes)"
+	@echo "make test         run the test suite (unit + integration)"
+	@echo "make lint         ruff check and format check"
+	@echo "make protos       regenerate the gRPC stubs from protos/"
+	@echo "make setup        create $(VENV) and install dependencies and the dataset"
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP) dataset
+
+# Fashion-MNIST comes from Debian's dataset-fashion-mnist; installed when we are root, otherwise we say how.
+dataset:
+	@if [ -e $(FMNIST_DIR)/train-images-idx3-ubyte.gz ] || [ -e $(FMNIST_DIR)/train-images-idx3-ubyte ]; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian package dataset-fashion-mnist"; \
+		apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null; \
+	else \
+		echo "note: Fashion-MNIST not found in $(FMNIST_DIR); install dataset-fashion-mnist (root) or set data.root"; \
+	fi
+
+run: setup
+	$(VENV)/bin/fairfl run $(CONFIG)
+
+run-inprocess: setup
+	$(VENV)/bin/fairfl run $(CONFIG) --transport inprocess
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-integration: setup
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+protos: $(STAMP)
+	rm -f fairfl/v1/*_pb2*.py fairfl/v1/*_pb2*.pyi
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/fairfl/v1/*.proto
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache
