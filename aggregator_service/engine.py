@@ -80,7 +80,7 @@ class ClientTransport(ABC):
     @abstractmethod
     def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome: ...
 
-    def end_run(self, run_id: str) -> None:  # noqa: B027 - optional hook
+    def end_run(self, run_id: str) -> None:
         del run_id
 
 
@@ -126,12 +126,18 @@ class RoundEngine:
         self.on_event = on_event
         self.stop = stop or threading.Event()
         self.layout, self.params = initial_model(config)
-        self.strategy: Strategy = build_strategy(config.strategy.name, config.strategy.params, config.strategy.server_lr)
+        self.strategy: Strategy = build_strategy(
+            config.strategy.name, config.strategy.params, config.strategy.server_lr
+        )
         self.round = 0
 
     def _status(self, state: int, message: str = "") -> None:
         status = control_pb2.RunStatus(
-            run_id=self.run_id, state=state, round=self.round, total_rounds=self.config.rounds, message=message,
+            run_id=self.run_id,
+            state=state,
+            round=self.round,
+            total_rounds=self.config.rounds,
+            message=message,
             registered_clients=len(self.transport.available_clients()),
         )
         self.on_event(control_pb2.RunEvent(run_id=self.run_id, status=status))
@@ -178,15 +184,27 @@ class RoundEngine:
             cfg.local_epochs = t.local_epochs or 1
         return cfg
 
-    def _tasks(self, round_number: int, phase_index: int, phase: int, clients: list[int], model: tensor_pb2.BlobRef,
-               fill: Callable[[federation_pb2.Task], None]) -> list[federation_pb2.Task]:
+    def _tasks(
+        self,
+        round_number: int,
+        phase_index: int,
+        phase: int,
+        clients: list[int],
+        model: tensor_pb2.BlobRef,
+        fill: Callable[[federation_pb2.Task], None],
+    ) -> list[federation_pb2.Task]:
         deadline = time.time() + self.config.runtime.round_timeout_s
         tasks = []
         for cid in clients:
             task = federation_pb2.Task(
                 task_id=f"{self.run_id}/r{round_number}/p{phase_index}/c{cid}",
-                run_id=self.run_id, round=round_number, phase=phase, client_id=cid, model=model,  # type: ignore[arg-type]
-                seed=task_seed(self.config.seed, round_number, phase_index, cid), deadline_unix=deadline,
+                run_id=self.run_id,
+                round=round_number,
+                phase=phase,
+                client_id=cid,
+                model=model,  # type: ignore[arg-type]
+                seed=task_seed(self.config.seed, round_number, phase_index, cid),
+                deadline_unix=deadline,
             )
             fill(task)
             tasks.append(task)
@@ -202,8 +220,14 @@ class RoundEngine:
             raise RuntimeError("no clients available")
         selected = sorted(self.selector.select(self.run_id, round_number, candidates, count, cfg.seed))
         epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg)
-        ctx = RoundContext(self.run_id, round_number, self.params, selected, self._round_train_config(round_number),
-                           self.transport.publish)
+        ctx = RoundContext(
+            self.run_id,
+            round_number,
+            self.params,
+            selected,
+            self._round_train_config(round_number),
+            self.transport.publish,
+        )
         event = control_pb2.RoundEvent(round=round_number, selected=selected, epsilon_spent=epsilon)
         phases: list[list[ClientResult]] = []
         aggregated = True
@@ -218,15 +242,22 @@ class RoundEngine:
                     task.probe.CopyFrom(plan.probe)
 
             outcome = self.transport.execute(
-                self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill), cfg.runtime.round_timeout_s
+                self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill),
+                cfg.runtime.round_timeout_s,
             )
             event.results_accepted += len(outcome.results)
             event.results_rejected += outcome.rejected
             event.results_late += outcome.late
             needed = math.ceil(cfg.runtime.min_completion * len(clients))
             if len(outcome.results) < needed:
-                log.warning("round %d phase %d: %d of %d results (need %d); model kept", round_number, phase_index,
-                            len(outcome.results), len(clients), needed)
+                log.warning(
+                    "round %d phase %d: %d of %d results (need %d); model kept",
+                    round_number,
+                    phase_index,
+                    len(outcome.results),
+                    len(clients),
+                    needed,
+                )
                 aggregated = False
                 break
             phases.append(outcome.results)
@@ -249,8 +280,9 @@ class RoundEngine:
     def _evaluate(self, round_number: int, event: control_pb2.RoundEvent) -> None:
         ref = self.transport.publish(self.params)
         clients = sorted(self.transport.available_clients())
-        tasks = self._tasks(round_number, 99, EVALUATE, clients, ref,
-                            lambda t: t.evaluate.CopyFrom(federation_pb2.EvaluateConfig()))
+        tasks = self._tasks(
+            round_number, 99, EVALUATE, clients, ref, lambda t: t.evaluate.CopyFrom(federation_pb2.EvaluateConfig())
+        )
         outcome = self.transport.execute(tasks, self.config.runtime.round_timeout_s)
         results = outcome.results
         missing = self.config.data.num_clients - len(results)
@@ -258,13 +290,16 @@ class RoundEngine:
             log.warning("round %d: no client could be evaluated", round_number)
             return
         report = fairness_report(
-            [r.test_accuracy for r in results], losses=[r.test_loss for r in results],
-            num_samples=[r.num_samples for r in results], missing_clients=missing,
+            [r.test_accuracy for r in results],
+            losses=[r.test_loss for r in results],
+            num_samples=[r.num_samples for r in results],
+            missing_clients=missing,
         )
         event.evaluated = True
         event.fairness.CopyFrom(control_pb2.FairnessReport(**report.to_dict()))
         event.clients.extend(
-            control_pb2.ClientEvaluation(client_id=r.client_id, accuracy=r.test_accuracy, loss=r.test_loss,
-                                         num_samples=r.num_samples)
+            control_pb2.ClientEvaluation(
+                client_id=r.client_id, accuracy=r.test_accuracy, loss=r.test_loss, num_samples=r.num_samples
+            )
             for r in results
         )

@@ -107,7 +107,8 @@ class FederationState:
         now = time.monotonic()
         with self.lock:
             return sorted(
-                cid for cid, aid in self.client_owner.items()
+                cid
+                for cid, aid in self.client_owner.items()
                 if aid in self.agents and now - self.agents[aid].last_seen < AGENT_TIMEOUT_S
             )
 
@@ -150,14 +151,18 @@ class FederationState:
                 raise Rejected(grpc.StatusCode.NOT_FOUND, f"unknown task {header.task_id!r}: it was never issued")
             owner = self.client_owner.get(header.client_id)
             if owner is None:
-                raise Rejected(grpc.StatusCode.NOT_FOUND,
-                               f"unknown client id {header.client_id}: no agent registered it")
+                raise Rejected(
+                    grpc.StatusCode.NOT_FOUND, f"unknown client id {header.client_id}: no agent registered it"
+                )
             if header.client_id != task.client_id:
-                raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
-                               f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}")
+                raise Rejected(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}",
+                )
             if header.agent_id and header.agent_id != owner:
-                raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
-                               f"client {header.client_id} is hosted by another agent")
+                raise Rejected(
+                    grpc.StatusCode.PERMISSION_DENIED, f"client {header.client_id} is hosted by another agent"
+                )
             if (header.run_id, header.round, header.phase) != (task.run_id, task.round, task.phase):
                 raise Rejected(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -177,8 +182,11 @@ class FederationState:
         with self.lock:
             batch = self.open_tasks.get(header.task_id)
             if batch is None or header.task_id not in batch.pending:  # closed while we were receiving
-                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"task {header.task_id} closed while its result was arriving", late=True)
+                raise Rejected(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"task {header.task_id} closed while its result was arriving",
+                    late=True,
+                )
             del batch.pending[header.task_id]
             del self.open_tasks[header.task_id]
             self._remember_closed(header.task_id, header.round)
@@ -272,44 +280,51 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     def __init__(self, state: FederationState) -> None:
         self.state = state
 
-    def Register(self, request: federation_pb2.RegisterRequest, context: grpc.ServicerContext):  # noqa: N802
+    def Register(self, request: federation_pb2.RegisterRequest, context: grpc.ServicerContext):
         if not request.client_ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register at least one client id")
         agent = self.state.register(request.agent_name, list(request.client_ids), request.device)
-        log.info("agent %s (%s, %s) registered %d clients", agent.agent_id[:8], request.agent_name, request.device,
-                 len(agent.client_ids))
-        return federation_pb2.RegisterReply(agent_id=agent.agent_id, heartbeat_interval_seconds=HEARTBEAT_INTERVAL_S,
-                                            poll_wait_seconds=10.0)
+        log.info(
+            "agent %s (%s, %s) registered %d clients",
+            agent.agent_id[:8],
+            request.agent_name,
+            request.device,
+            len(agent.client_ids),
+        )
+        return federation_pb2.RegisterReply(
+            agent_id=agent.agent_id, heartbeat_interval_seconds=HEARTBEAT_INTERVAL_S, poll_wait_seconds=10.0
+        )
 
-    def Heartbeat(self, request: federation_pb2.HeartbeatRequest, context: grpc.ServicerContext):  # noqa: N802
+    def Heartbeat(self, request: federation_pb2.HeartbeatRequest, context: grpc.ServicerContext):
         return federation_pb2.HeartbeatReply(known=self.state.touch(request.agent_id) is not None)
 
-    def PollTasks(self, request: federation_pb2.PollRequest, context: grpc.ServicerContext):  # noqa: N802
+    def PollTasks(self, request: federation_pb2.PollRequest, context: grpc.ServicerContext):
         if self.state.touch(request.agent_id) is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"agent {request.agent_id!r} is not registered (the aggregator may have restarted); "
-                          "register again")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"agent {request.agent_id!r} is not registered (the aggregator may have restarted); register again",
+            )
         wait = request.wait_seconds
         remaining = context.time_remaining()
         if remaining is not None:
             wait = min(wait, max(remaining - 1.0, 0.0))
         return federation_pb2.PollReply(tasks=self.state.poll(request.agent_id, request.max_tasks, wait))
 
-    def GetRunSpec(self, request: federation_pb2.RunSpecRequest, context: grpc.ServicerContext):  # noqa: N802
+    def GetRunSpec(self, request: federation_pb2.RunSpecRequest, context: grpc.ServicerContext):
         text = self.state.run_yaml.get(request.run_id)
         if text is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"run {request.run_id!r} is unknown to this aggregator")
         return federation_pb2.RunSpec(run_id=request.run_id, experiment_yaml=text)
 
-    def FetchBlob(self, request: tensor_pb2.BlobRef, context: grpc.ServicerContext) -> Iterator[tensor_pb2.Chunk]:  # noqa: N802
+    def FetchBlob(self, request: tensor_pb2.BlobRef, context: grpc.ServicerContext) -> Iterator[tensor_pb2.Chunk]:
         entry = self.state.blobs.get(request.sha256)
         if entry is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"blob {request.sha256[:16]}… is not held (it belongs to a finished round)")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"blob {request.sha256[:16]}… is not held (it belongs to a finished round)"
+            )
         yield from entry[0].chunks(CHUNK_BYTES)
 
-    def SubmitResult(self, request_iterator: Iterator[federation_pb2.ResultChunk],  # noqa: N802
-                     context: grpc.ServicerContext):
+    def SubmitResult(self, request_iterator: Iterator[federation_pb2.ResultChunk], context: grpc.ServicerContext):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a result stream must start with a ResultHeader")

@@ -28,8 +28,9 @@ class InProcessTransport(ClientTransport):
     def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None:
         data = load_run_data(config)
         self.layout = layout
-        self.runtime = ClientRuntime(config, data, list(range(data.num_clients)), resolve_device(self.device),
-                                     self._resolve)
+        self.runtime = ClientRuntime(
+            config, data, list(range(data.num_clients)), resolve_device(self.device), self._resolve
+        )
         if self.runtime.layout != layout:
             raise RuntimeError("client model layout differs from the server's")
 

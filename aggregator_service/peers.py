@@ -18,8 +18,9 @@ class LocalSelector:
         self.store = StateStore()
 
     def select(self, run_id: str, round_number: int, candidates: list[int], count: int, seed: int) -> list[int]:
-        request = SelectionInput(run_id=run_id, round=round_number, num_to_select=count, candidates=candidates,
-                                 seed=seed)
+        request = SelectionInput(
+            run_id=run_id, round=round_number, num_to_select=count, candidates=candidates, seed=seed
+        )
         return list(select(self.method, request, self.store.run(run_id)).selected)
 
 
@@ -31,9 +32,16 @@ class RemoteSelector:
 
     def select(self, run_id: str, round_number: int, candidates: list[int], count: int, seed: int) -> list[int]:
         reply = self.stub.Select(
-            clustering_pb2.SelectRequest(run_id=run_id, round=round_number, num_to_select=count, candidates=candidates,
-                                         method=self.method, seed=seed),
-            timeout=SHORT_DEADLINE, wait_for_ready=True,
+            clustering_pb2.SelectRequest(
+                run_id=run_id,
+                round=round_number,
+                num_to_select=count,
+                candidates=candidates,
+                method=self.method,
+                seed=seed,
+            ),
+            timeout=SHORT_DEADLINE,
+            wait_for_ready=True,
         )
         return list(reply.selected)
 
@@ -50,8 +58,11 @@ class RemotePrivacy:
 
     def authorize_round(self, run_id: str, round_number: int, config: ExperimentConfig) -> float:
         try:
-            reply = self.stub.AuthorizeRound(privacy_pb2.AuthorizeRoundRequest(run_id=run_id, round=round_number),
-                                             timeout=SHORT_DEADLINE, wait_for_ready=True)
+            reply = self.stub.AuthorizeRound(
+                privacy_pb2.AuthorizeRoundRequest(run_id=run_id, round=round_number),
+                timeout=SHORT_DEADLINE,
+                wait_for_ready=True,
+            )
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 from aggregator_service.engine import RunStopped
@@ -81,6 +92,10 @@ class LocalPrivacy:
 
 def _budget_request(run_id: str, config: ExperimentConfig) -> privacy_pb2.RegisterBudgetRequest:
     del config  # DP runs arrive with the privacy issue; until then every run is registered as non-private
-    return privacy_pb2.RegisterBudgetRequest(run_id=run_id, epsilon=0.0, delta=0.0,
-                                             accountant=privacy_pb2.ACCOUNTANT_RDP,
-                                             principal_kind=privacy_pb2.PRINCIPAL_KIND_NONE)
+    return privacy_pb2.RegisterBudgetRequest(
+        run_id=run_id,
+        epsilon=0.0,
+        delta=0.0,
+        accountant=privacy_pb2.ACCOUNTANT_RDP,
+        principal_kind=privacy_pb2.PRINCIPAL_KIND_NONE,
+    )

@@ -52,8 +52,9 @@ class RunManager:
             run_id = run_id or uuid.uuid4().hex[:12]
             if run_id in self.runs:
                 raise KeyError(f"run id {run_id!r} already used")
-            status = control_pb2.RunStatus(run_id=run_id, state=control_pb2.RUN_STATE_PENDING,
-                                           total_rounds=config.rounds)
+            status = control_pb2.RunStatus(
+                run_id=run_id, state=control_pb2.RUN_STATE_PENDING, total_rounds=config.rounds
+            )
             run = _Run(run_id, config, threading.Event(), status)
             self.runs[run_id] = run
         engine = self.make_engine(run_id, config, lambda e: self._record(run, e), run.stop)
@@ -104,7 +105,7 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
     def __init__(self, manager: RunManager) -> None:
         self.manager = manager
 
-    def StartRun(self, request: control_pb2.StartRunRequest, context: grpc.ServicerContext):  # noqa: N802
+    def StartRun(self, request: control_pb2.StartRunRequest, context: grpc.ServicerContext):
         try:
             config = experiment_from_yaml(request.experiment_yaml)
         except ConfigError as err:
@@ -116,26 +117,26 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
         except KeyError as err:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err.args[0]))
 
-    def GetRun(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):  # noqa: N802
+    def GetRun(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):
         try:
             return self.manager.get(request.run_id).status
         except KeyError as err:
             context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
 
-    def WatchRun(self, request: control_pb2.WatchRunRequest, context: grpc.ServicerContext):  # noqa: N802
+    def WatchRun(self, request: control_pb2.WatchRunRequest, context: grpc.ServicerContext):
         try:
             self.manager.get(request.run_id)
         except KeyError as err:
             context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
         yield from self.manager.watch(request.run_id, context.is_active)
 
-    def StopRun(self, request: control_pb2.StopRunRequest, context: grpc.ServicerContext):  # noqa: N802
+    def StopRun(self, request: control_pb2.StopRunRequest, context: grpc.ServicerContext):
         try:
             return self.manager.stop(request.run_id, request.reason)
         except KeyError as err:
             context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
 
-    def FetchModel(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):  # noqa: N802
+    def FetchModel(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):
         try:
             run = self.manager.get(request.run_id)
         except KeyError as err:

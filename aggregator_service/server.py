@@ -32,10 +32,18 @@ class Aggregator:
         self.privacy_address = privacy_address
         self.manager = RunManager(self._make_engine)
 
-    def _make_engine(self, run_id: str, config: ExperimentConfig,
-                     on_event: Callable[[control_pb2.RunEvent], None], stop: threading.Event) -> RoundEngine:
-        selector: Selector = (RemoteSelector(self.clustering_address, config.selection.method)
-                              if self.clustering_address else LocalSelector(config.selection.method))
+    def _make_engine(
+        self,
+        run_id: str,
+        config: ExperimentConfig,
+        on_event: Callable[[control_pb2.RunEvent], None],
+        stop: threading.Event,
+    ) -> RoundEngine:
+        selector: Selector = (
+            RemoteSelector(self.clustering_address, config.selection.method)
+            if self.clustering_address
+            else LocalSelector(config.selection.method)
+        )
         privacy: PrivacyGate = RemotePrivacy(self.privacy_address) if self.privacy_address else LocalPrivacy()
         return RoundEngine(run_id, config, GrpcTransport(self.state), selector, privacy, on_event, stop)
 
@@ -53,10 +61,16 @@ def serve(bind: str, clustering_address: str = "", privacy_address: str = "") ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aggregator_service", description="FairFL aggregator")
     parser.add_argument("--bind", default=os.environ.get("FAIRFL_AGGREGATOR_BIND", "0.0.0.0:50051"))
-    parser.add_argument("--clustering", default=os.environ.get("FAIRFL_CLUSTERING_ADDRESS", ""),
-                        help="clustering service address; empty = select in-process")
-    parser.add_argument("--privacy", default=os.environ.get("FAIRFL_PRIVACY_ADDRESS", ""),
-                        help="privacy service address; empty = in-memory ledger")
+    parser.add_argument(
+        "--clustering",
+        default=os.environ.get("FAIRFL_CLUSTERING_ADDRESS", ""),
+        help="clustering service address; empty = select in-process",
+    )
+    parser.add_argument(
+        "--privacy",
+        default=os.environ.get("FAIRFL_PRIVACY_ADDRESS", ""),
+        help="privacy service address; empty = in-memory ledger",
+    )
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     configure_logging(args.log_level)

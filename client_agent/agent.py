@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections import OrderedDict
 
 import grpc
@@ -68,9 +67,11 @@ class Agent:
         while not self.stop.is_set():
             try:
                 reply = self.stub.Register(
-                    federation_pb2.RegisterRequest(agent_name=self.name, client_ids=self.client_ids,
-                                                   device=str(self.device), version=__version__),
-                    timeout=SHORT_DEADLINE, wait_for_ready=True,
+                    federation_pb2.RegisterRequest(
+                        agent_name=self.name, client_ids=self.client_ids, device=str(self.device), version=__version__
+                    ),
+                    timeout=SHORT_DEADLINE,
+                    wait_for_ready=True,
                 )
                 self.agent_id = reply.agent_id
                 self.heartbeat_interval = reply.heartbeat_interval_seconds or 5.0
@@ -87,8 +88,9 @@ class Agent:
             if not self.agent_id:
                 continue
             try:
-                reply = self.stub.Heartbeat(federation_pb2.HeartbeatRequest(agent_id=self.agent_id),
-                                            timeout=SHORT_DEADLINE)
+                reply = self.stub.Heartbeat(
+                    federation_pb2.HeartbeatRequest(agent_id=self.agent_id), timeout=SHORT_DEADLINE
+                )
                 if not reply.known:
                     self.agent_id = ""  # the poll loop re-registers
             except grpc.RpcError:
@@ -170,10 +172,15 @@ class Agent:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="client_agent", description="FairFL client agent")
     parser.add_argument("--aggregator", default=os.environ.get("FAIRFL_AGGREGATOR_ADDRESS", "127.0.0.1:50051"))
-    parser.add_argument("--clients", default=os.environ.get("FAIRFL_CLIENTS", ""),
-                        help="logical client ids, e.g. 0-49 or 0-9,20")
-    parser.add_argument("--clients-per-agent", type=int, default=int(os.environ.get("FAIRFL_CLIENTS_PER_AGENT", "0")),
-                        help="derive the range from the pod ordinal (StatefulSet): ordinal*N .. ordinal*N+N-1")
+    parser.add_argument(
+        "--clients", default=os.environ.get("FAIRFL_CLIENTS", ""), help="logical client ids, e.g. 0-49 or 0-9,20"
+    )
+    parser.add_argument(
+        "--clients-per-agent",
+        type=int,
+        default=int(os.environ.get("FAIRFL_CLIENTS_PER_AGENT", "0")),
+        help="derive the range from the pod ordinal (StatefulSet): ordinal*N .. ordinal*N+N-1",
+    )
     parser.add_argument("--device", default=os.environ.get("FAIRFL_DEVICE", "auto"))
     parser.add_argument("--threads", type=int, default=int(os.environ.get("FAIRFL_THREADS", "1")))
     parser.add_argument("--name", default=os.environ.get("FAIRFL_AGENT_NAME", ""))

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,7 +111,9 @@ class ClientRuntime:
         n = len(c.y_train)
         batch = min(cfg.batch_size, n)
         gen = torch.Generator().manual_seed(task.seed)
-        steps = cfg.local_steps if cfg.WhichOneof("budget") == "local_steps" else cfg.local_epochs * math.ceil(n / batch)
+        steps = (
+            cfg.local_steps if cfg.WhichOneof("budget") == "local_steps" else cfg.local_epochs * math.ceil(n / batch)
+        )
         out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
 
         lr = cfg.lr
@@ -124,7 +127,9 @@ class ClientRuntime:
         anchor = [p.detach().clone() for p in params] if cfg.prox_mu > 0 else None
         fair_grad = None
         if cfg.HasField("alignment"):
-            fair_grad = [t.to(self.device) for _, t in self.layout.split(self.resolve_blob(cfg.alignment.fair_gradient))]
+            fair_grad = [
+                t.to(self.device) for _, t in self.layout.split(self.resolve_blob(cfg.alignment.fair_gradient))
+            ]
 
         model.train()
         order = torch.empty(0, dtype=torch.long)
@@ -217,8 +222,11 @@ class ClientRuntime:
             x, y = c.x_train, c.y_train
         total = 0.0
         for start in range(0, len(y), EVAL_BATCH):
-            total += float(F.cross_entropy(self.model(x[start : start + EVAL_BATCH]), y[start : start + EVAL_BATCH],
-                                           reduction="sum"))
+            total += float(
+                F.cross_entropy(
+                    self.model(x[start : start + EVAL_BATCH]), y[start : start + EVAL_BATCH], reduction="sum"
+                )
+            )
         return total / len(y)
 
     def _classifier_bias_name(self) -> str:
@@ -228,7 +236,7 @@ class ClientRuntime:
         raise ValueError("model has no classifier bias")
 
     @torch.no_grad()
-    def _mean_log_softmax_features(self, c: _ClientTensors):  # noqa: ANN202 - numpy array
+    def _mean_log_softmax_features(self, c: _ClientTensors) -> np.ndarray:
         self.model.eval()
         total = None
         for start in range(0, len(c.y_train), EVAL_BATCH):
@@ -241,7 +249,16 @@ def load_run_data(config: ExperimentConfig) -> FederatedData:
     """The run's federated split; every process derives the same one from the config and seed."""
     d = config.data
     return build_federated(
-        d.dataset, d.num_clients, d.partition, config.seed, root=d.root, download=d.download,
-        shards_per_client=d.shards_per_client, alpha=d.alpha, min_size=d.min_size, test_per_client=d.test_per_client,
-        synthetic_alpha=d.synthetic_alpha, synthetic_beta=d.synthetic_beta,
+        d.dataset,
+        d.num_clients,
+        d.partition,
+        config.seed,
+        root=d.root,
+        download=d.download,
+        shards_per_client=d.shards_per_client,
+        alpha=d.alpha,
+        min_size=d.min_size,
+        test_per_client=d.test_per_client,
+        synthetic_alpha=d.synthetic_alpha,
+        synthetic_beta=d.synthetic_beta,
     )

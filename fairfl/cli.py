@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,14 @@ def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) 
     from aggregator_service.inprocess import InProcessTransport
     from aggregator_service.peers import LocalPrivacy, LocalSelector
 
-    engine = RoundEngine(run_id, config, InProcessTransport(device=config.runtime.device,
-                                                            threads=config.runtime.threads_per_agent),
-                         LocalSelector(config.selection.method), LocalPrivacy(), recorder)
+    engine = RoundEngine(
+        run_id,
+        config,
+        InProcessTransport(device=config.runtime.device, threads=config.runtime.threads_per_agent),
+        LocalSelector(config.selection.method),
+        LocalPrivacy(),
+        recorder,
+    )
     engine.run()
 
 
@@ -46,8 +50,13 @@ def run_grpc(config: ExperimentConfig, recorder: RunRecorder, run_id: str, out_d
         if not aggregator:
             agg, _, _ = cluster.start_services(out_dir)
             aggregator = agg.address
-            cluster.start_agents(aggregator, config.data.num_clients, config.runtime.agents, config.runtime.device,
-                                 config.runtime.threads_per_agent)
+            cluster.start_agents(
+                aggregator,
+                config.data.num_clients,
+                config.runtime.agents,
+                config.runtime.device,
+                config.runtime.threads_per_agent,
+            )
         with open_channel(aggregator) as channel:
             control = control_pb2_grpc.RunControlStub(channel)
             control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30)
@@ -70,8 +79,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     run_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(args.output or Path(config.output_dir) / run_id)
-    print(f"FairFL run {run_id}: {config.strategy.name} on {config.data.dataset}, {config.data.num_clients} clients, "
-          f"{config.selection.clients_per_round}/round, {config.rounds} rounds, transport {args.transport}")
+    print(
+        f"FairFL run {run_id}: {config.strategy.name} on {config.data.dataset}, {config.data.num_clients} clients, "
+        f"{config.selection.clients_per_round}/round, {config.rounds} rounds, transport {args.transport}"
+    )
     recorder = RunRecorder(config)
     started = time.monotonic()
     if args.transport == "inprocess":
@@ -89,8 +100,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
-    module = {"aggregator": "aggregator_service.server", "clustering": "clustering_service.server",
-              "privacy": "privacy_service.server", "agent": "client_agent.agent"}[args.component]
+    module = {
+        "aggregator": "aggregator_service.server",
+        "clustering": "clustering_service.server",
+        "privacy": "privacy_service.server",
+        "agent": "client_agent.agent",
+    }[args.component]
     return int(importlib.import_module(module).main(args.rest))
 
 
@@ -99,11 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run an experiment from a YAML config")
     run.add_argument("config")
-    run.add_argument("--transport", choices=["grpc", "inprocess"], default="grpc",
-                     help="grpc: every service and agent as its own process (default); inprocess: one process")
+    run.add_argument(
+        "--transport",
+        choices=["grpc", "inprocess"],
+        default="grpc",
+        help="grpc: every service and agent as its own process (default); inprocess: one process",
+    )
     run.add_argument("--rounds", type=int, help="override the number of rounds")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config field, e.g. --set training.lr=0.05")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set training.lr=0.05",
+    )
     run.add_argument("--output", help="results directory (default: <output_dir>/<run id>)")
     run.add_argument("--aggregator", default="", help="use a running aggregator instead of starting services")
     run.set_defaults(func=cmd_run)

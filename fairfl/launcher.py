@@ -87,12 +87,25 @@ class LocalCluster:
         bounds = [round(i * num_clients / agents) for i in range(agents + 1)]
         for i in range(agents):
             lo, hi = bounds[i], bounds[i + 1] - 1
-            started.append(self.spawn(
-                f"agent-{i}", "client_agent",
-                ["--aggregator", aggregator, "--clients", f"{lo}-{hi}", "--device", device, "--threads", str(threads),
-                 "--name", f"agent-{i}"],
-                announce=False,
-            ))
+            started.append(
+                self.spawn(
+                    f"agent-{i}",
+                    "client_agent",
+                    [
+                        "--aggregator",
+                        aggregator,
+                        "--clients",
+                        f"{lo}-{hi}",
+                        "--device",
+                        device,
+                        "--threads",
+                        str(threads),
+                        "--name",
+                        f"agent-{i}",
+                    ],
+                    announce=False,
+                )
+            )
         return started
 
     def kill(self, name: str) -> None:

@@ -15,10 +15,34 @@ from google.protobuf.json_format import MessageToDict
 from fairfl.config import ExperimentConfig
 from fairfl.v1 import control_pb2
 
-FAIRNESS_COLUMNS = ["mean", "variance", "std", "worst_5", "worst_10", "best_5", "best_10", "jain_index", "cv",
-                    "weighted_accuracy", "mean_loss", "loss_variance", "evaluated_clients", "missing_clients"]
-ROUND_COLUMNS = ["round", "duration_seconds", "selected", "results_accepted", "results_rejected", "results_late",
-                 "mean_train_loss", "epsilon_spent", "model_sha256", *FAIRNESS_COLUMNS]
+FAIRNESS_COLUMNS = [
+    "mean",
+    "variance",
+    "std",
+    "worst_5",
+    "worst_10",
+    "best_5",
+    "best_10",
+    "jain_index",
+    "cv",
+    "weighted_accuracy",
+    "mean_loss",
+    "loss_variance",
+    "evaluated_clients",
+    "missing_clients",
+]
+ROUND_COLUMNS = [
+    "round",
+    "duration_seconds",
+    "selected",
+    "results_accepted",
+    "results_rejected",
+    "results_late",
+    "mean_train_loss",
+    "epsilon_spent",
+    "model_sha256",
+    *FAIRNESS_COLUMNS,
+]
 
 
 class RunRecorder:
@@ -71,10 +95,18 @@ class RunRecorder:
             return "no evaluation round completed"
         f = final.fairness
         rows = [
-            ("mean accuracy (%)", f.mean), ("pooled accuracy (%)", f.weighted_accuracy), ("variance (%²)", f.variance),
-            ("std (%)", f.std), ("worst 5% (%)", f.worst_5), ("worst 10% (%)", f.worst_10), ("best 5% (%)", f.best_5),
-            ("best 10% (%)", f.best_10), ("Jain's index", f.jain_index), ("coeff. of variation", f.cv),
-            ("mean test loss", f.mean_loss), ("clients evaluated", f.evaluated_clients),
+            ("mean accuracy (%)", f.mean),
+            ("pooled accuracy (%)", f.weighted_accuracy),
+            ("variance (%²)", f.variance),
+            ("std (%)", f.std),
+            ("worst 5% (%)", f.worst_5),
+            ("worst 10% (%)", f.worst_10),
+            ("best 5% (%)", f.best_5),
+            ("best 10% (%)", f.best_10),
+            ("Jain's index", f.jain_index),
+            ("coeff. of variation", f.cv),
+            ("mean test loss", f.mean_loss),
+            ("clients evaluated", f.evaluated_clients),
             ("clients missing", f.missing_clients),
         ]
         width = max(len(k) for k, _ in rows)
@@ -109,9 +141,17 @@ class RunRecorder:
             writer = csv.writer(fh)
             writer.writerow(ROUND_COLUMNS)
             for r in self.rounds:
-                row: list[Any] = [r.round, f"{r.duration_seconds:.4f}", " ".join(map(str, r.selected)),
-                                  r.results_accepted, r.results_rejected, r.results_late, _fmt(r.mean_train_loss),
-                                  _fmt(r.epsilon_spent), r.model_sha256]
+                row: list[Any] = [
+                    r.round,
+                    f"{r.duration_seconds:.4f}",
+                    " ".join(map(str, r.selected)),
+                    r.results_accepted,
+                    r.results_rejected,
+                    r.results_late,
+                    _fmt(r.mean_train_loss),
+                    _fmt(r.epsilon_spent),
+                    r.model_sha256,
+                ]
                 row += [_fmt(getattr(r.fairness, c)) if r.evaluated else "" for c in FAIRNESS_COLUMNS]
                 writer.writerow(row)
         with (directory / "clients.csv").open("w", newline="") as fh:

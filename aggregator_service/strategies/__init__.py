@@ -9,8 +9,15 @@ from aggregator_service.strategies.fedavg import FedAvg
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg,)}
 
-__all__ = ["STRATEGIES", "AggregateOutcome", "PhasePlan", "RoundContext", "Strategy", "build_strategy",
-           "validate_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "AggregateOutcome",
+    "PhasePlan",
+    "RoundContext",
+    "Strategy",
+    "build_strategy",
+    "validate_strategy",
+]
 
 
 def validate_strategy(name: str, params: dict[str, Any], path: str) -> Any:

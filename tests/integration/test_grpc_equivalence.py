@@ -23,23 +23,26 @@ from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_gr
 
 def _config(dataset: str) -> ExperimentConfig:
     num_clients = 12 if dataset == "synthetic" else 20
-    return experiment_from_dict({
-        "name": "equivalence",
-        "seed": 7,
-        "rounds": 3,
-        "data": {"dataset": dataset, "num_clients": num_clients, "partition": "shards", "shards_per_client": 2},
-        "model": {"name": "mlp", "hidden": [32, 16]},
-        "training": {"local_steps": 5, "batch_size": 20, "lr": 0.05},
-        "selection": {"clients_per_round": 4},
-        "evaluation": {"every": 1},
-        "runtime": {"agents": 2, "round_timeout_s": 60, "register_timeout_s": 60},
-    })
+    return experiment_from_dict(
+        {
+            "name": "equivalence",
+            "seed": 7,
+            "rounds": 3,
+            "data": {"dataset": dataset, "num_clients": num_clients, "partition": "shards", "shards_per_client": 2},
+            "model": {"name": "mlp", "hidden": [32, 16]},
+            "training": {"local_steps": 5, "batch_size": 20, "lr": 0.05},
+            "selection": {"clients_per_round": 4},
+            "evaluation": {"every": 1},
+            "runtime": {"agents": 2, "round_timeout_s": 60, "register_timeout_s": 60},
+        }
+    )
 
 
 def oracle(config: ExperimentConfig) -> tuple[torch.Tensor, list[control_pb2.RoundEvent]]:
     events: list[control_pb2.RunEvent] = []
-    engine = RoundEngine("oracle", config, InProcessTransport(), LocalSelector(config.selection.method),
-                         LocalPrivacy(), events.append)
+    engine = RoundEngine(
+        "oracle", config, InProcessTransport(), LocalSelector(config.selection.method), LocalPrivacy(), events.append
+    )
     summary = engine.run()
     assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
     return summary.final_params, [e.round for e in events if e.HasField("round")]
