@@ -63,7 +63,6 @@ class PhaseOutcome:
     results: list[ClientResult]  # accepted, sorted by client id
     missing: list[int] = field(default_factory=list)  # tasked clients without an accepted result
     rejected: int = 0
-    late: int = 0
 
 
 class ClientTransport(ABC):
@@ -83,6 +82,11 @@ class ClientTransport(ABC):
 
     @abstractmethod
     def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome: ...
+
+    def refused_after_close(self, round_number: int) -> tuple[int, int]:
+        """(late, duplicate) results of this round refused after their task closed, not yet reported."""
+        del round_number
+        return 0, 0
 
     def end_run(self, run_id: str) -> None:
         del run_id
@@ -182,10 +186,8 @@ class RoundEngine:
             prox_mu=t.prox_mu,
             loss_eval_batches=t.loss_eval_batches,
         )
-        if t.local_steps is not None:
-            cfg.local_steps = t.local_steps
-        else:
-            cfg.local_epochs = t.local_epochs or 1
+        unit, count = t.budget()
+        setattr(cfg, unit, count)
         return cfg
 
     def _tasks(
@@ -251,7 +253,6 @@ class RoundEngine:
             )
             event.results_accepted += len(outcome.results)
             event.results_rejected += outcome.rejected
-            event.results_late += outcome.late
             needed = math.ceil(cfg.runtime.min_completion * len(clients))
             if len(outcome.results) < needed:
                 log.warning(
@@ -277,6 +278,9 @@ class RoundEngine:
             event.mean_train_loss = float(np.nanmean(losses)) if losses else math.nan
         if round_number % cfg.evaluation.every == 0 or round_number == cfg.rounds:
             self._evaluate(round_number, event)
+        late, duplicate = self.transport.refused_after_close(round_number)
+        event.results_late += late
+        event.results_rejected += duplicate
         event.model_sha256 = self.layout.encode(self.params).sha256
         event.duration_seconds = time.monotonic() - started
         self.on_event(control_pb2.RunEvent(run_id=self.run_id, round=event))

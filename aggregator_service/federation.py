@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -63,7 +63,6 @@ class _Batch:
     pending: dict[str, federation_pb2.Task]
     results: dict[int, ClientResult] = field(default_factory=dict)
     rejected: int = 0
-    late: int = 0
 
 
 class FederationState:
@@ -78,8 +77,10 @@ class FederationState:
         self.run_yaml: dict[str, str] = {}
         self.layout: ParamLayout | None = None
         self.open_tasks: dict[str, _Batch] = {}
-        self.closed_tasks: OrderedDict[str, int] = OrderedDict()  # task id -> round, for late/replay answers
-        self.counters = {"rejected": 0, "late": 0, "accepted": 0}
+        # task id -> (round, accepted); tells a late result (closed at its deadline) from a duplicate
+        self.closed_tasks: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        self.refused_after_close: Counter[tuple[int, str]] = Counter()  # (round, "late" | "duplicate") -> count
+        self.counters = {"rejected": 0, "late": 0, "duplicate": 0, "accepted": 0}
 
     # -- agents -------------------------------------------------------------------------------------------------
 
@@ -140,15 +141,21 @@ class FederationState:
             task = batch.pending.get(header.task_id) if batch else None
             layout = self.layout
             if task is None or batch is None:
-                if header.task_id in self.closed_tasks:
-                    self.counters["late"] += 1
-                    raise Rejected(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"task {header.task_id} is closed: round {self.closed_tasks[header.task_id]} finished or its "
-                        "result was already accepted; results are accepted once, while the round is open",
-                        late=True,
-                    )
-                raise Rejected(grpc.StatusCode.NOT_FOUND, f"unknown task {header.task_id!r}: it was never issued")
+                closed = self.closed_tasks.get(header.task_id)
+                if closed is None:
+                    raise Rejected(grpc.StatusCode.NOT_FOUND, f"unknown task {header.task_id!r}: it was never issued")
+                round_number, accepted = closed
+                kind = "duplicate" if accepted else "late"
+                self.counters[kind] += 1
+                self.refused_after_close[(round_number, kind)] += 1
+                reason = (
+                    "its result was already accepted; results are accepted once"
+                    if accepted
+                    else f"round {round_number} closed it at its deadline before the result arrived"
+                )
+                raise Rejected(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"task {header.task_id} is closed: {reason}", late=True
+                )
             owner = self.client_owner.get(header.client_id)
             if owner is None:
                 raise Rejected(
@@ -159,9 +166,11 @@ class FederationState:
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}",
                 )
-            if header.agent_id and header.agent_id != owner:
+            if header.agent_id != owner:  # an empty agent id is no excuse: task ids are guessable
                 raise Rejected(
-                    grpc.StatusCode.PERMISSION_DENIED, f"client {header.client_id} is hosted by another agent"
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"client {header.client_id} is hosted by agent {owner[:8]}…, not by the submitting agent "
+                    f"{header.agent_id[:8] or '(none given)'}",
                 )
             if (header.run_id, header.round, header.phase) != (task.run_id, task.round, task.phase):
                 raise Rejected(
@@ -182,6 +191,8 @@ class FederationState:
         with self.lock:
             batch = self.open_tasks.get(header.task_id)
             if batch is None or header.task_id not in batch.pending:  # closed while we were receiving
+                self.counters["late"] += 1
+                self.refused_after_close[(header.round, "late")] += 1
                 raise Rejected(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"task {header.task_id} closed while its result was arriving",
@@ -189,23 +200,28 @@ class FederationState:
                 )
             del batch.pending[header.task_id]
             del self.open_tasks[header.task_id]
-            self._remember_closed(header.task_id, header.round)
+            self._remember_closed(header.task_id, header.round, accepted=True)
             batch.results[result.client_id] = result
             self.counters["accepted"] += 1
             self.lock.notify_all()
 
-    def count_rejection(self, task_id: str, late: bool) -> None:
+    def count_rejection(self, task_id: str) -> None:
+        """Count a refused result for a still-open task with its phase (closed tasks are counted in accept)."""
         with self.lock:
-            self.counters["late" if late else "rejected"] += 0 if late else 1
+            self.counters["rejected"] += 1
             batch = self.open_tasks.get(task_id)
             if batch is not None:
-                if late:
-                    batch.late += 1
-                else:
-                    batch.rejected += 1
+                batch.rejected += 1
 
-    def _remember_closed(self, task_id: str, round_number: int) -> None:
-        self.closed_tasks[task_id] = round_number
+    def drain_refused_after_close(self, round_number: int) -> tuple[int, int]:
+        """Late and duplicate results of `round_number` refused so far; each is reported once."""
+        with self.lock:
+            late = self.refused_after_close.pop((round_number, "late"), 0)
+            duplicate = self.refused_after_close.pop((round_number, "duplicate"), 0)
+            return late, duplicate
+
+    def _remember_closed(self, task_id: str, round_number: int, accepted: bool) -> None:
+        self.closed_tasks[task_id] = (round_number, accepted)
         while len(self.closed_tasks) > CLOSED_TASK_MEMORY:
             self.closed_tasks.popitem(last=False)
 
@@ -261,7 +277,7 @@ class GrpcTransport(ClientTransport):
                 state.lock.wait(remaining)
             for task_id in list(batch.pending):  # close the phase: anything still pending is now late
                 state.open_tasks.pop(task_id, None)
-                state._remember_closed(task_id, batch.pending[task_id].round)
+                state._remember_closed(task_id, batch.pending[task_id].round, accepted=False)
             for agent in state.agents.values():  # tasks nobody picked up are withdrawn
                 agent.queue = deque(t for t in agent.queue if t.task_id not in batch.pending)
             results = [batch.results[c] for c in sorted(batch.results)]
@@ -269,7 +285,10 @@ class GrpcTransport(ClientTransport):
         missing = sorted({t.client_id for t in tasks} - done)
         if missing:
             log.warning("phase closed without results from clients %s", missing[:20])
-        return PhaseOutcome(results, missing, rejected=batch.rejected, late=batch.late)
+        return PhaseOutcome(results, missing, rejected=batch.rejected)
+
+    def refused_after_close(self, round_number: int) -> tuple[int, int]:
+        return self.state.drain_refused_after_close(round_number)
 
     def end_run(self, run_id: str) -> None:
         with self.state.lock:
@@ -339,7 +358,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         try:
             self.state.accept(header, data())
         except Rejected as rejected:
-            self.state.count_rejection(header.task_id, rejected.late)
+            if not rejected.late:
+                self.state.count_rejection(header.task_id)
             log.info("rejected result for %s: %s", header.task_id, rejected)
             context.abort(rejected.code, str(rejected))
         return federation_pb2.SubmitReply(accepted=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from fairfl.compare import add_compare_parser
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
 from fairfl.results import RunRecorder
 
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("component", choices=["aggregator", "clustering", "privacy", "agent"])
     serve.add_argument("rest", nargs=argparse.REMAINDER, help="the component's own options")
     serve.set_defaults(func=cmd_serve)
+    add_compare_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -51,8 +51,8 @@ def dtype_name(dtype: int) -> str:
 
 
 def _as_torch(value: torch.Tensor | np.ndarray) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.ndarray):  # ascontiguousarray turns 0-d into 1-d: restore the shape
+        return torch.from_numpy(np.ascontiguousarray(value).reshape(value.shape))
     return value
 
 
@@ -83,7 +83,7 @@ def tensor_bytes(tensor: torch.Tensor | np.ndarray) -> memoryview:
     t = t.contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the same bits
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy().reshape(-1)).cast("B")  # 1-D first: memoryview cannot cast shapes with a 0
 
 
 def tensor_to_proto(name: str, tensor: torch.Tensor | np.ndarray) -> tensor_pb2.Tensor:
@@ -167,6 +167,8 @@ class PayloadReceiver:
     """Collects streamed data chunks into one preallocated buffer and checks size and sha256 at the end."""
 
     def __init__(self, total_bytes: int, sha256: str, max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> None:
+        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+            raise CodecError("the header must carry the payload's sha256 as 64 lowercase hex digits")
         if total_bytes > max_bytes:
             raise CodecError(f"payload of {total_bytes} bytes exceeds the limit of {max_bytes} bytes")
         self.total_bytes = total_bytes
@@ -186,7 +188,7 @@ class PayloadReceiver:
     def finish(self) -> bytearray:
         if self.received != self.total_bytes:
             raise CodecError(f"stream ended after {self.received} of {self.total_bytes} declared bytes")
-        if self.expected_sha256 and self._digest.hexdigest() != self.expected_sha256:
+        if self._digest.hexdigest() != self.expected_sha256:
             raise CodecError("payload sha256 does not match the header: data was corrupted or reordered")
         return self.buffer
 

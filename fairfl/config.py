@@ -20,7 +20,8 @@ class ConfigError(ValueError):
     """An experiment config is invalid; the message names the field."""
 
 
-Scalar = float | int | str | bool
+DEFAULT_LOCAL_STEPS = 10
+Scalar = bool | int | float | str  # tried in this order: 3 stays an int, true stays a bool
 
 
 @dataclass
@@ -60,7 +61,7 @@ class ModelConfig:
 
 @dataclass
 class TrainingConfig:
-    local_steps: int | None = 10
+    local_steps: int | None = None  # default: 10 steps when local_epochs is not set either
     local_epochs: int | None = None
     batch_size: int = 50
     lr: float = 0.1
@@ -71,9 +72,15 @@ class TrainingConfig:
     prox_mu: float = 0.0
     loss_eval_batches: int = 0  # 0 = whole local training set
 
+    def budget(self) -> tuple[Literal["local_steps", "local_epochs"], int]:
+        """The local work per round: epochs when given, else steps (DEFAULT_LOCAL_STEPS when neither is set)."""
+        if self.local_epochs is not None:
+            return "local_epochs", self.local_epochs
+        return "local_steps", self.local_steps if self.local_steps is not None else DEFAULT_LOCAL_STEPS
+
     def validate(self, path: str) -> None:
-        if (self.local_steps is None) == (self.local_epochs is None):
-            raise ConfigError(f"{path}: set exactly one of local_steps and local_epochs")
+        if self.local_steps is not None and self.local_epochs is not None:
+            raise ConfigError(f"{path}: set only one of local_steps and local_epochs")
         if self.local_steps is not None:
             _at_least(self.local_steps, 1, f"{path}.local_steps")
         if self.local_epochs is not None:
@@ -240,7 +247,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise ConfigError(f"{path or 'config'}: unknown field {unknown[0]!r}; valid fields: {', '.join(names)}")
+        raise ConfigError(f"{_join(path, unknown[0])}: unknown field; valid fields here: {', '.join(names)}")
     values = {name: _coerce(data[name], hints[name], _join(path, name)) for name in names if name in data}
     return cls(**values)
 
@@ -272,11 +279,27 @@ def load_experiment(path: str | Path, overrides: dict[str, Any] | None = None) -
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found")
-    data = yaml.safe_load(p.read_text()) or {}
-    for dotted, value in (overrides or {}).items():
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from err
+    return experiment_from_dict(apply_overrides(data, overrides or {}))
+
+
+def apply_overrides(data: Any, overrides: dict[str, Any]) -> Any:
+    """Set dotted paths (e.g. "training.lr") in a parsed YAML mapping, creating empty sections on the way."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+    for dotted, value in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
+        walked = []
         for key in parents:
-            node = node.setdefault(key, {})
+            walked.append(key)
+            if node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(walked)}: cannot set {dotted!r}, this field is not a section")
         node[leaf] = value
-    return experiment_from_dict(data)
+    return data

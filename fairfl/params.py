@@ -70,11 +70,12 @@ def flatten_parameters(model: nn.Module) -> torch.Tensor:
 
 def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
     """Copy a flat vector into the model's parameters (a copy: the source, often a shared blob, stays untouched)."""
+    expected = sum(p.numel() for p in model.parameters())
+    if flat.dim() != 1 or flat.numel() != expected:
+        raise ValueError(f"flat vector has shape {list(flat.shape)}, the model needs {expected} values")
     offset = 0
     with torch.no_grad():
         for p in model.parameters():
             n = p.numel()
             p.copy_(flat[offset : offset + n].view_as(p), non_blocking=True)
             offset += n
-    if offset != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} values, the model {offset}")

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from aggregator_service.strategies.afl import AFL
 from aggregator_service.strategies.base import AggregateOutcome, PhasePlan, RoundContext, Strategy, params_from_dict
 from aggregator_service.strategies.fedavg import FedAvg
+from aggregator_service.strategies.fedeba import FedEBA, FedEBAPlus, PracFedEBAPlus
+from aggregator_service.strategies.fedfair import FedFair
+from aggregator_service.strategies.fedmgda import FedMGDAPlus
+from aggregator_service.strategies.fedprox import FedProx
+from aggregator_service.strategies.qffl import QFFL
+from aggregator_service.strategies.term import TERM
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg,)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (FedAvg, FedEBA, FedEBAPlus, PracFedEBAPlus, FedProx, FedFair, QFFL, AFL, FedMGDAPlus, TERM)
+}
 
 __all__ = [
     "STRATEGIES",

@@ -20,8 +20,10 @@ from fairfl.launcher import LocalCluster
 from fairfl.rpc import open_channel
 from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_grpc
 
+STRATEGY_PARAMS = {"fedavg": {}, "fedeba_plus": {"alpha": 0.9, "tau": 0.1}}
 
-def _config(dataset: str) -> ExperimentConfig:
+
+def _config(dataset: str, strategy: str = "fedavg") -> ExperimentConfig:
     num_clients = 12 if dataset == "synthetic" else 20
     return experiment_from_dict(
         {
@@ -32,6 +34,7 @@ def _config(dataset: str) -> ExperimentConfig:
             "model": {"name": "mlp", "hidden": [32, 16]},
             "training": {"local_steps": 5, "batch_size": 20, "lr": 0.05},
             "selection": {"clients_per_round": 4},
+            "strategy": {"name": strategy, "params": STRATEGY_PARAMS[strategy]},
             "evaluation": {"every": 1},
             "runtime": {"agents": 2, "round_timeout_s": 60, "register_timeout_s": 60},
         }
@@ -78,11 +81,14 @@ def _fashion_mnist_available() -> bool:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("dataset", ["synthetic", "fashion_mnist"])
-def test_grpc_matches_inprocess(dataset: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("dataset", "strategy"), [("synthetic", "fedavg"), ("fashion_mnist", "fedavg"), ("synthetic", "fedeba_plus")]
+)
+def test_grpc_matches_inprocess(dataset: str, strategy: str, tmp_path: Path) -> None:
     if dataset == "fashion_mnist" and not _fashion_mnist_available():
         pytest.skip("Fashion-MNIST is not installed (Debian package dataset-fashion-mnist)")
-    config = _config(dataset)
+    config = _config(dataset, strategy)
+    phases = 2 if strategy == "fedeba_plus" else 1  # FedEBA+: probe (loss + gradient at x_t), then aligned training
     expected, oracle_rounds = oracle(config)
     params, events, logs = run_over_grpc(config, tmp_path)
 
@@ -93,7 +99,8 @@ def test_grpc_matches_inprocess(dataset: str, tmp_path: Path) -> None:
     # Same selection and the same evaluation of every client, round by round.
     for got, want in zip(rounds, oracle_rounds, strict=True):
         assert list(got.selected) == list(want.selected)
-        assert got.results_accepted == len(got.selected) and got.results_rejected == 0
+        assert got.results_accepted == phases * len(got.selected) and got.results_rejected == 0
+        assert list(got.aggregation_weights) == pytest.approx(list(want.aggregation_weights), abs=1e-12)
         assert [c.accuracy for c in got.clients] == pytest.approx([c.accuracy for c in want.clients], abs=1e-9)
         assert len(got.clients) == config.data.num_clients
     assert params.shape == expected.shape

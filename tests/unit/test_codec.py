@@ -449,7 +449,7 @@ def test_max_bytes_is_enforced() -> None:
     _, decoded = codec.receive_bundle(chunks, max_bytes=bundle.total_bytes)
     assert len(decoded) == 3
     with pytest.raises(codec.CodecError, match="exceeds the limit"):
-        codec.PayloadReceiver(10, "", max_bytes=9)
+        codec.PayloadReceiver(10, "0" * 64, max_bytes=9)
 
 
 @pytest.mark.parametrize("dtype", [tensor_pb2.DTYPE_UNSPECIFIED, 99])
@@ -485,15 +485,15 @@ def test_unencodable_dtype_is_refused_at_encode() -> None:
         codec.tensor_to_proto("z", torch.zeros(3, dtype=torch.complex64))
 
 
-def test_missing_digest_still_checks_size() -> None:
+def test_missing_or_malformed_digest_is_refused() -> None:
+    """Integrity is not optional: a header without a proper sha256 is refused before any data is read."""
     bundle, chunks = small_stream()
-    header = tensor_pb2.BundleHeader()
-    header.CopyFrom(bundle.header)
-    header.sha256 = ""
-    _, decoded = codec.receive_bundle([tensor_pb2.Chunk(header=header), *chunks[1:]])
-    assert [n for n, _ in decoded] == ["w", "b", "m"]
-    with pytest.raises(codec.CodecError, match="ended after"):
-        codec.receive_bundle([tensor_pb2.Chunk(header=header), *chunks[1:-1]])
+    for digest in ("", "abc", "Z" * 64):
+        header = tensor_pb2.BundleHeader()
+        header.CopyFrom(bundle.header)
+        header.sha256 = digest
+        with pytest.raises(codec.CodecError, match="sha256"):
+            codec.receive_bundle([tensor_pb2.Chunk(header=header), *chunks[1:]])
 
 
 # --- inline tensors and zero-copy decode ----------------------------------------------------------------------------

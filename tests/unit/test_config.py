@@ -82,7 +82,7 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 def test_unknown_top_level_key_lists_valid_fields() -> None:
     message = error_of({"trainin": {"lr": 0.1}})
-    assert "'trainin'" in message
+    assert message.startswith("trainin: unknown field")
     assert "valid fields" in message
     for f in dataclasses.fields(ExperimentConfig):
         assert f.name in message
@@ -90,8 +90,7 @@ def test_unknown_top_level_key_lists_valid_fields() -> None:
 
 def test_unknown_nested_key_names_its_section_and_lists_valid_fields() -> None:
     message = error_of({"training": {"batchsize": 50}})
-    assert message.startswith("training:")
-    assert "'batchsize'" in message
+    assert message.startswith("training.batchsize: unknown field")
     for f in dataclasses.fields(TrainingConfig):
         assert f.name in message
 
@@ -99,8 +98,7 @@ def test_unknown_nested_key_names_its_section_and_lists_valid_fields() -> None:
 @pytest.mark.parametrize("section", ["data", "model", "strategy", "selection", "evaluation", "runtime"])
 def test_unknown_key_in_every_section(section: str) -> None:
     message = error_of({section: {"no_such_field": 1}})
-    assert message.startswith(f"{section}:")
-    assert "'no_such_field'" in message
+    assert message.startswith(f"{section}.no_such_field: unknown field")
 
 
 # --- types ----------------------------------------------------------------------------------------------------------
@@ -202,19 +200,21 @@ def test_boundary_values_are_accepted() -> None:
     assert cfg.runtime.device == "cuda:1"
 
 
-@pytest.mark.parametrize(
-    "training",
-    [{"local_steps": 5, "local_epochs": 1}, {"local_steps": None}, {"local_steps": None, "local_epochs": None}],
-)
-def test_exactly_one_of_local_steps_and_local_epochs(training: dict[str, Any]) -> None:
-    message = error_of({"training": training})
+def test_at_most_one_of_local_steps_and_local_epochs() -> None:
+    message = error_of({"training": {"local_steps": 5, "local_epochs": 1}})
     assert message.startswith("training:")
     assert "local_steps" in message and "local_epochs" in message
 
 
+@pytest.mark.parametrize("training", [{}, {"local_steps": None}, {"local_steps": None, "local_epochs": None}])
+def test_local_budget_defaults_to_ten_steps(training: dict[str, Any]) -> None:
+    assert experiment_from_dict({"training": training}).training.budget() == ("local_steps", 10)
+
+
 def test_local_epochs_instead_of_steps() -> None:
-    cfg = experiment_from_dict({"training": {"local_steps": None, "local_epochs": 2}})
+    cfg = experiment_from_dict({"training": {"local_epochs": 2}})
     assert (cfg.training.local_steps, cfg.training.local_epochs) == (None, 2)
+    assert cfg.training.budget() == ("local_epochs", 2)
     assert error_of({"training": {"local_steps": None, "local_epochs": 0}}).startswith("training.local_epochs:")
 
 
@@ -342,16 +342,14 @@ def test_overrides_create_missing_sections_and_top_level_keys() -> None:
 def test_overrides_are_validated_like_the_file() -> None:
     with pytest.raises(ConfigError, match=r"^training\.lr:"):
         load_experiment(QUICKSTART, {"training.lr": 0})
-    with pytest.raises(ConfigError, match="'batchsize'"):
+    with pytest.raises(ConfigError, match=r"^training\.batchsize: unknown field"):
         load_experiment(QUICKSTART, {"training.batchsize": 10})
     with pytest.raises(ConfigError, match=r"^selection\.clients_per_round:"):
         load_experiment(QUICKSTART, {"data.num_clients": 5})
 
 
 def test_override_into_an_empty_section(tmp_path: Path) -> None:
-    # Fails today: `training:` with no children loads as None (accepted as "all defaults" without overrides), but
-    # load_experiment's override loop does node.setdefault("training", {}) -> None and then None["lr"] = ... raises
-    # TypeError ("'NoneType' object does not support item assignment").
+    # `training:` with no children loads as None ("all defaults"); an override must create the section.
     path = tmp_path / "exp.yaml"
     path.write_text("rounds: 3\ntraining:\n")
     assert load_experiment(path).training == TrainingConfig()

@@ -40,8 +40,12 @@ def test_eba_weights_are_the_maximum_entropy_solution(tau: float) -> None:
     assert _free_energy(p, f, tau) == pytest.approx(log_z, rel=1e-12, abs=1e-12)
     # A generic optimiser over the simplex finds the same point, and no random simplex point does better.
     res = minimize(
-        lambda x: -_free_energy(x, f, tau), np.full(7, 1 / 7), method="SLSQP", bounds=[(0, 1)] * 7,
-        constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1}], options={"ftol": 1e-14, "maxiter": 500},
+        lambda x: -_free_energy(x, f, tau),
+        np.full(7, 1 / 7),
+        method="SLSQP",
+        bounds=[(0, 1)] * 7,
+        constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1}],
+        options={"ftol": 1e-14, "maxiter": 500},
     )
     assert np.abs(res.x - p).max() < 1e-4
     for q in rng.dirichlet(np.ones(7), size=200):
@@ -111,14 +115,29 @@ def _ctx(params: torch.Tensor, lr: float = 0.1, steps: int = 10) -> RoundContext
     return ctx
 
 
-def _results(phase: int, deltas: list[torch.Tensor], before: list[float], after: list[float],
-             kind: int = UPDATE, sizes: list[int] | None = None, first: list[torch.Tensor] | None = None,
-             steps: float = 10.0) -> list[ClientResult]:
+def _results(
+    phase: int,
+    deltas: list[torch.Tensor],
+    before: list[float],
+    after: list[float],
+    kind: int = UPDATE,
+    sizes: list[int] | None = None,
+    first: list[torch.Tensor] | None = None,
+    steps: float = 10.0,
+) -> list[ClientResult]:
     out = []
     for i, (d, b, a) in enumerate(zip(deltas, before, after, strict=True)):
-        r = ClientResult(task_id=f"t{i}", run_id="run", round=1, client_id=i, phase=phase,
-                         num_samples=(sizes or [100] * len(deltas))[i], loss_before=b, loss_after=a,
-                         metrics={"local_steps": steps})
+        r = ClientResult(
+            task_id=f"t{i}",
+            run_id="run",
+            round=1,
+            client_id=i,
+            phase=phase,
+            num_samples=(sizes or [100] * len(deltas))[i],
+            loss_before=b,
+            loss_after=a,
+            metrics={"local_steps": steps},
+        )
         r.payloads[kind] = d
         if first is not None:
             r.payloads[FIRST_STEP_UPDATE] = first[i]
@@ -169,7 +188,8 @@ def test_model_alignment_mixes_one_step_updates() -> None:
     p /= p.sum()
     shares = np.array([0.25, 0.25, 0.5])
     expected = sum(0.5 * float(w) * d for w, d in zip(p, DELTAS, strict=True)) + sum(
-        0.5 * float(s) * f for s, f in zip(shares, first, strict=True))
+        0.5 * float(s) * f for s, f in zip(shares, first, strict=True)
+    )
     torch.testing.assert_close(out.params, expected, rtol=0, atol=1e-6)
 
 
@@ -204,7 +224,8 @@ def test_prac_fedeba_plus_equals_the_algorithm_box_under_plain_sgd() -> None:
     g_fair = sum(float(w) * g for w, g in zip(pt, mean_grads, strict=True))
     box = sum(float(w) * ((1 - alpha) * d - alpha * lr * k * g_fair) for w, d in zip(p, deltas, strict=True))
     closed = (1 - alpha) * sum(float(w) * d for w, d in zip(p, deltas, strict=True)) + alpha * sum(
-        float(w) * d for w, d in zip(pt, deltas, strict=True))
+        float(w) * d for w, d in zip(pt, deltas, strict=True)
+    )
     torch.testing.assert_close(box, closed, rtol=0, atol=1e-12)
     torch.testing.assert_close(out.params.double(), x.double() + box, rtol=0, atol=1e-6)
 

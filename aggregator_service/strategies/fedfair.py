@@ -1,0 +1,109 @@
+"""FedFair (FedFDP paper, Algorithm 1, non-DP; shared/specs/seed-fedfdp.md §1.2).
+
+The server keeps the global loss F and broadcasts it with the model; clients scale their step size by
+max(0, 1 + λ(F_i − F)) (Eq. 11, done in client_agent/trainer.py via `fair_step`). Aggregation is plain FedAvg with
+p_i = n_i / Σ n (Alg. 1 line 7), and F is refreshed from the clients' post-training losses (line 8):
+F ← Σ p_i F_i(w_{t+1}^i), F_i on local *training* data, i.e. ClientResult.loss_after. F starts at
+`initial_global_loss` = 0.0 (spec §9.11, the reference code's Initial()). λ = 0 is FedAvg bit for bit.
+
+This module also owns `loss_metrics`, the Ψ telemetry every baseline reports (spec §9.13 asks for both forms):
+  psi        = Σ p_i (F_i(x_{t,K}^i) − F)², local models' losses (loss_after), the paper tables' Ψ;
+  psi_before = Σ p_i (F_i(x_t) − F)², the global model's losses (loss_before), Eq. 7 at x_t;
+with p_i = n_i / Σ n over the round's clients and F the p-weighted mean of the same losses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aggregator_service.strategies.base import (
+    AggregateOutcome,
+    PhasePlan,
+    RoundContext,
+    Strategy,
+    train_results,
+    weighted_sum,
+)
+from fairfl.metrics.fairness import psi, weight_entropy
+from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.v1 import federation_pb2
+
+
+def loss_metrics(results: Sequence[ClientResult], weights: Sequence[float] | None = None) -> dict[str, float]:
+    """Ψ over the round's clients (sample-weighted, see the module docstring) and, if given, the weights' entropy."""
+    samples = [r.num_samples for r in results]
+    metrics = {
+        "psi": psi([r.loss_after for r in results], samples),
+        "psi_before": psi([r.loss_before for r in results], samples),
+    }
+    if weights is not None and sum(weights) > 0:
+        metrics["weight_entropy"] = weight_entropy(weights)
+    return metrics
+
+
+def require_finite(path: str, **values: float) -> None:
+    from fairfl.config import ConfigError
+
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}.{name}: must be a finite number, got {value}")
+
+
+@dataclass
+class FedFairParams:
+    fair_lambda: float = 0.1  # spec §1.2: the paper never states λ; the reference code's default is 0.1
+    initial_global_loss: float = 0.0  # F(w_0), spec §9.11
+
+    def validate(self, path: str) -> None:
+        from fairfl.config import ConfigError
+
+        require_finite(path, fair_lambda=self.fair_lambda, initial_global_loss=self.initial_global_loss)
+        if self.fair_lambda < 0:
+            raise ConfigError(f"{path}.fair_lambda: must be >= 0 (paper §4), got {self.fair_lambda}")
+        if self.initial_global_loss < 0:
+            raise ConfigError(f"{path}.initial_global_loss: a loss is >= 0, got {self.initial_global_loss}")
+
+
+class FedFair(Strategy):
+    name = "fedfair"
+    Params = FedFairParams
+
+    def __init__(self, params: FedFairParams, server_lr: float) -> None:
+        super().__init__(params, server_lr)
+        self.global_loss = params.initial_global_loss
+
+    def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:
+        if phase_index > 0:
+            return None
+        cfg = federation_pb2.LocalTrainingConfig()
+        cfg.CopyFrom(ctx.train_config)
+        cfg.fair_step.SetInParent()  # present even when both values are 0
+        cfg.fair_step.global_loss = self.global_loss
+        cfg.fair_step.fair_lambda = self.params.fair_lambda
+        return PhasePlan(phase=TRAIN, train=cfg)
+
+    def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
+        results = train_results(phases)
+        # Alg. 1 line 7: the same arithmetic as FedAvg, so λ = 0 reproduces FedAvg bit for bit.
+        total = sum(r.num_samples for r in results)
+        weights = [r.num_samples / total for r in results]
+        delta = weighted_sum([r.payloads[UPDATE] for r in results], weights)
+        # Alg. 1 line 8: F(w_{t+1}) = Σ p_i F_i(w_{t+1}^i), the post-training losses.
+        self.global_loss = math.fsum(w * r.loss_after for w, r in zip(weights, results, strict=True))
+        metrics = loss_metrics(results, weights)
+        metrics["psi"] = psi([r.loss_after for r in results], weights, global_loss=self.global_loss)  # Eq. 7
+        metrics["global_loss"] = self.global_loss
+        return AggregateOutcome(
+            params=ctx.params + self.server_lr * delta,
+            weights={r.client_id: w for r, w in zip(results, weights, strict=True)},
+            metrics=metrics,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_loss": self.global_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_loss = float(state.get("global_loss", self.params.initial_global_loss))

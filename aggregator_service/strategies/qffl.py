@@ -1,0 +1,83 @@
+"""q-FFL via q-FedAvg (Li, Sanjabi, Beirami, Smith, "Fair Resource Allocation in Federated Learning", ICLR 2020,
+Algorithm 3). Objective Σ p_k F_k^{q+1}/(q+1): larger q gives high-loss clients more say; q = 0 is uniform averaging.
+
+With L the Lipschitz estimate (1/η of the round's client lr unless `lipschitz` is set), F_k = F_k(x_t) the loss at
+the global model (ClientResult.loss_before) and x_k the local model after training:
+    Δw_k   = L (x_t − x_k) = −L Δ_k                      (Δ_k = payloads[UPDATE] = x_k − x_t)
+    Δ_k^q  = F_k^q Δw_k
+    h_k    = q F_k^{q−1} ‖Δw_k‖² + L F_k^q
+    x_{t+1} = x_t − Σ_k Δ_k^q / Σ_k h_k  =  x_t + Σ_k c_k Δ_k,   c_k = L F_k^q / Σ_j h_j.
+The second form is what runs: one weighted fold of the raw updates. `server_lr` multiplies the step (1.0 = paper).
+Reported weights are the c_k (they sum to ≤ 1: Σ h also carries the curvature term); `step_scale` = Σ c_k.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
+from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from fairfl.protocol import UPDATE, ClientResult
+
+
+@dataclass
+class QFFLParams:
+    q: float = 0.1  # FedEBA+ grid {0.001, 0.01, 0.1, 0.5, 10, 15}; FedFDP's reference code uses 1.0
+    lipschitz: float = 0.0  # L; 0 = 1 / (the round's client lr), as in the paper's q-FedAvg
+
+    def validate(self, path: str) -> None:
+        from fairfl.config import ConfigError
+
+        require_finite(path, q=self.q, lipschitz=self.lipschitz)
+        if self.q < 0:
+            raise ConfigError(f"{path}.q: must be >= 0, got {self.q}")
+        if self.lipschitz < 0:
+            raise ConfigError(f"{path}.lipschitz: must be >= 0 (0 = 1/lr), got {self.lipschitz}")
+
+
+def qffl_coefficients(losses: np.ndarray, sq_norms: np.ndarray, q: float, lipschitz: float) -> np.ndarray:
+    """c_k = L F_k^q / Σ_j h_j in float64 (see the module docstring); all zeros when Σ h = 0 (every F_k = 0)."""
+    fq = np.power(losses, q)  # 0^0 = 1: with q = 0 every client counts once
+    if q == 0:
+        curvature = np.zeros_like(losses)  # q F^{q-1} with q = 0 vanishes, even at F = 0
+    else:
+        # q < 1 and F_k = 0 would give 0·∞: for a smooth non-negative loss ‖∇F‖² ≤ 2L·F, so the term
+        # q F^{q−1}‖Δw‖² behaves like F^q → 0; take that limit. For q ≥ 1 the power is finite at 0 anyway.
+        positive = losses > 0
+        base = np.where(positive, losses, 1.0)
+        at_zero = 1.0 if q == 1 else 0.0
+        power = np.where(positive, np.power(base, q - 1.0), at_zero)
+        curvature = q * power * lipschitz**2 * sq_norms  # ‖Δw_k‖² = L² ‖Δ_k‖²
+    h = curvature + lipschitz * fq
+    total = float(h.sum())
+    if total <= 0:
+        return np.zeros_like(losses)
+    return lipschitz * fq / total
+
+
+class QFFL(Strategy):
+    name = "qffl"
+    Params = QFFLParams
+
+    def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
+        results = train_results(phases)
+        updates = [r.payloads[UPDATE] for r in results]
+        lipschitz = self.params.lipschitz or 1.0 / ctx.train_config.lr
+        losses = np.array([r.loss_before for r in results], dtype=np.float64)
+        # One scalar per client (a loop over clients): ‖Δ_k‖² accumulated in float64.
+        sq_norms = np.array([float(torch.dot(u.double(), u.double())) for u in updates], dtype=np.float64)
+        coefs = qffl_coefficients(losses, sq_norms, self.params.q, lipschitz).tolist()
+        step = weighted_sum(updates, coefs)
+        metrics = loss_metrics(results, coefs)
+        metrics["step_scale"] = math.fsum(coefs)
+        metrics["lipschitz"] = lipschitz
+        return AggregateOutcome(
+            params=ctx.params + self.server_lr * step,
+            weights={r.client_id: c for r, c in zip(results, coefs, strict=True)},
+            metrics=metrics,
+        )

@@ -1,0 +1,81 @@
+"""Late and duplicate results: refused with FAILED_PRECONDITION and reported once in their round's event."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from aggregator_service.federation import FederationState, GrpcTransport, Rejected
+from fairfl.models import build_model
+from fairfl.params import ParamLayout
+from fairfl.protocol import TRAIN, UPDATE, ClientResult, encode_result
+from fairfl.v1 import federation_pb2
+
+
+def _setup() -> tuple[FederationState, GrpcTransport, ParamLayout, str]:
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    agent = state.register("a", [0, 1], "cpu")
+    return state, GrpcTransport(state), layout, agent.agent_id
+
+
+def _submit(state: FederationState, layout: ParamLayout, task: federation_pb2.Task, agent_id: str) -> None:
+    result = ClientResult(
+        task_id=task.task_id,
+        run_id="r",
+        round=task.round,
+        client_id=task.client_id,
+        phase=TRAIN,
+        num_samples=10,
+        loss_before=1.0,
+        loss_after=0.5,
+        agent_id=agent_id,
+    )
+    result.payloads[UPDATE] = torch.zeros(layout.numel)
+    header, *data = list(encode_result(result, layout))
+    state.accept(header.header, (c.data for c in data))
+
+
+def _task(client: int) -> federation_pb2.Task:
+    return federation_pb2.Task(
+        task_id=f"r/r1/p0/c{client}", run_id="r", round=1, phase=TRAIN, client_id=client, deadline_unix=1e12
+    )
+
+
+def test_result_after_the_deadline_is_late() -> None:
+    state, transport, layout, agent_id = _setup()
+    outcome = transport.execute([_task(0)], timeout=0.2)  # nobody answers: the phase closes at its deadline
+    assert outcome.results == [] and outcome.missing == [0]
+    with pytest.raises(Rejected) as refused:
+        _submit(state, layout, _task(0), agent_id)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "closed it at its deadline" in str(refused.value)
+    assert transport.refused_after_close(1) == (1, 0)
+    assert transport.refused_after_close(1) == (0, 0)  # reported once
+
+
+def test_second_copy_of_an_accepted_result_is_a_duplicate() -> None:
+    state, transport, layout, agent_id = _setup()
+    answered = threading.Event()
+
+    def answer() -> None:
+        for _ in range(100):
+            tasks = state.poll(agent_id, 4, 0.05)
+            if tasks:
+                _submit(state, layout, tasks[0], agent_id)
+                answered.set()
+                return
+
+    worker = threading.Thread(target=answer)
+    worker.start()
+    outcome = transport.execute([_task(1)], timeout=5.0)
+    worker.join()
+    assert answered.is_set() and [r.client_id for r in outcome.results] == [1]
+    with pytest.raises(Rejected, match="already accepted"):
+        _submit(state, layout, _task(1), agent_id)
+    assert transport.refused_after_close(1) == (0, 1)
+    assert state.counters["accepted"] == 1 and state.counters["duplicate"] == 1
