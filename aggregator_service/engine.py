@@ -48,13 +48,13 @@ def initial_model(config: ExperimentConfig) -> tuple[ParamLayout, torch.Tensor]:
     return ParamLayout.of(model), flatten_parameters(model)
 
 
-def task_seed(run_seed: int, round_number: int, phase: int, client_id: int) -> int:
-    """Seed of one client task: independent streams per (run, round, phase kind, client), same in every transport.
+def task_seed(run_seed: int, round_number: int, client_id: int) -> int:
+    """Seed of a client's tasks in one round: independent per (run, round, client), the same in every transport.
 
-    Keyed by the phase kind, not its position, so a probe's gradient batch is the first batch of the same round's
-    training, and a strategy that adds a probe phase trains on exactly the batches it would have trained on without.
+    Every phase of the round shares it, so a probe's gradient batch is the first batch of the same round's training,
+    and a strategy that adds a probe phase trains on exactly the batches it would have trained on without one.
     """
-    words = np.random.SeedSequence([run_seed, round_number, phase, client_id]).generate_state(2, np.uint32)
+    words = np.random.SeedSequence([run_seed, round_number, client_id]).generate_state(2, np.uint32)
     return int(words[0]) << 31 | int(words[1]) >> 1
 
 
@@ -209,7 +209,7 @@ class RoundEngine:
                 phase=phase,
                 client_id=cid,
                 model=model,  # type: ignore[arg-type]
-                seed=task_seed(self.config.seed, round_number, phase, cid),
+                seed=task_seed(self.config.seed, round_number, cid),
                 deadline_unix=deadline,
             )
             fill(task)

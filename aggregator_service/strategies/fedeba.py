@@ -37,6 +37,7 @@ from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, C
 from fairfl.v1 import federation_pb2
 
 MODES = ("gradient", "adaptive", "model")
+FAIR_GRADIENTS = ("gradient", "one_step_update")
 
 
 def eba_weights(
@@ -95,6 +96,10 @@ class FedEBAPlusParams(FedEBAParams):
     theta_degrees: float = 0.0  # adaptive switch threshold; 0 = gradient alignment unless all losses are equal
     fair_grad_batches: int = 1  # mini-batches averaged for ∇F_i(x_t) (spec D4)
     model_align_scale_by_k: bool = False  # Eq. 8 mixes a K-step and a 1-step displacement; True scales the latter by K
+    # What "∇F_i(x_t)" is in h = (1−α)∇F_i + α·g̃: "gradient" (literal) or "one_step_update", the paper's "one local
+    # update" reading (§4.2, V002 l.191-199): the magnitude of x_{t,1} − x_t, i.e. η_L·∇F_i(x_t). The literal reading
+    # applies α·η_L·K·g̃ per round unshrunk and diverges on Table 1's setup (α = 0.9, K = 10, η_L = 0.1).
+    fair_gradient: str = "gradient"
 
     def validate(self, path: str) -> None:
         from fairfl.config import ConfigError
@@ -106,6 +111,8 @@ class FedEBAPlusParams(FedEBAParams):
             raise ConfigError(f"{path}.mode: {self.mode!r} is not one of {', '.join(MODES)}")
         if not 0 <= self.theta_degrees <= 90:
             raise ConfigError(f"{path}.theta_degrees: must be in [0, 90], got {self.theta_degrees}")
+        if self.fair_gradient not in FAIR_GRADIENTS:
+            raise ConfigError(f"{path}.fair_gradient: {self.fair_gradient!r} is not one of {', '.join(FAIR_GRADIENTS)}")
         if self.fair_grad_batches < 1:
             raise ConfigError(f"{path}.fair_grad_batches: must be >= 1, got {self.fair_grad_batches}")
 
@@ -158,7 +165,8 @@ class FedEBAPlus(FedEBA):
 
     def _gradient_aligned_train(self, ctx: RoundContext, probe: list[ClientResult]) -> PhasePlan:
         p_tilde, _ = self._eba(probe, "loss_before")
-        fair_grad = weighted_sum([r.payloads[GRADIENT] for r in probe], p_tilde)
+        scale = ctx.train_config.lr if self.params.fair_gradient == "one_step_update" else 1.0
+        fair_grad = weighted_sum([r.payloads[GRADIENT] for r in probe], scale * p_tilde)
         cfg = self._train(ctx)
         cfg.alignment.fair_gradient.CopyFrom(ctx.publish(fair_grad))
         cfg.alignment.alpha = self.params.alpha

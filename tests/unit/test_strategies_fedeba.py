@@ -239,3 +239,23 @@ def test_params_validation_names_the_field() -> None:
         FedEBAPlusParams(mode="both").validate("strategy.params")
     with pytest.raises(ConfigError, match=r"strategy\.params\.tau"):
         FedEBAParams(tau=0).validate("strategy.params")
+
+
+def test_fedeba_plus_without_alignment_is_fedeba_exactly() -> None:
+    """α = 0 turns the aligned step into the plain one; the probe shares the round's seed, so the training batches and
+    therefore the whole run are identical to FedEBA's."""
+    from aggregator_service.engine import RoundEngine
+    from aggregator_service.inprocess import InProcessTransport
+    from aggregator_service.peers import LocalPrivacy, LocalSelector
+    from fairfl.config import experiment_from_dict
+
+    finals = []
+    for name, params in (("fedeba", {"tau": 0.5}), ("fedeba_plus", {"tau": 0.5, "alpha": 0.0})):
+        config = experiment_from_dict({
+            "rounds": 3, "data": {"dataset": "synthetic", "num_clients": 8}, "model": {"hidden": [16]},
+            "training": {"local_steps": 4, "batch_size": 10}, "selection": {"clients_per_round": 3},
+            "strategy": {"name": name, "params": params}, "evaluation": {"every": 3},
+        })
+        engine = RoundEngine("r", config, InProcessTransport(), LocalSelector("random"), LocalPrivacy(), lambda e: None)
+        finals.append(engine.run().final_params)
+    assert torch.equal(finals[0], finals[1])
