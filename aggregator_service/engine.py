@@ -175,6 +175,10 @@ class RoundEngine:
         finally:
             self.transport.end_run(self.run_id)
 
+    def _run_clients(self) -> list[int]:
+        """Reachable clients of this run: agents may host more ids than the run's data.num_clients."""
+        return [c for c in sorted(self.transport.available_clients()) if c < self.config.data.num_clients]
+
     def _round_train_config(self, round_number: int) -> federation_pb2.LocalTrainingConfig:
         t = self.config.training
         cfg = federation_pb2.LocalTrainingConfig(
@@ -220,7 +224,7 @@ class RoundEngine:
         cfg = self.config
         started = time.monotonic()
         model_ref = self.transport.publish(self.params)
-        candidates = sorted(self.transport.available_clients())
+        candidates = self._run_clients()
         count = min(cfg.selection.clients_per_round, len(candidates))
         if count == 0:
             raise RuntimeError("no clients available")
@@ -287,7 +291,7 @@ class RoundEngine:
 
     def _evaluate(self, round_number: int, event: control_pb2.RoundEvent) -> None:
         ref = self.transport.publish(self.params)
-        clients = sorted(self.transport.available_clients())
+        clients = self._run_clients()
         tasks = self._tasks(
             round_number, 99, EVALUATE, clients, ref, lambda t: t.evaluate.CopyFrom(federation_pb2.EvaluateConfig())
         )

@@ -238,7 +238,7 @@ class GrpcTransport(ClientTransport):
 
     def wait_for_clients(self, num_clients: int, timeout: float, stop: threading.Event) -> None:
         deadline = time.monotonic() + timeout
-        while len(self.state.live_clients()) < num_clients:
+        while len([c for c in self.state.live_clients() if c < num_clients]) < num_clients:
             if stop.is_set():
                 from aggregator_service.engine import RunStopped
 

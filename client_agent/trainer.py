@@ -117,8 +117,7 @@ class ClientRuntime:
         out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
 
         lr = cfg.lr
-        if cfg.HasField("fair_step"):  # FedFair: clients behind the global loss take larger steps
-            lr *= max(0.0, 1.0 + cfg.fair_step.fair_lambda * (out.loss_before - cfg.fair_step.global_loss))
+        fair = cfg.fair_step if cfg.HasField("fair_step") else None
         params = list(model.parameters())
         if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
             opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
@@ -135,6 +134,7 @@ class ClientRuntime:
         order = torch.empty(0, dtype=torch.long)
         position = 0
         loss_sum = 0.0
+        lr_sum = 0.0
         first_step: torch.Tensor | None = None
         for step in range(steps):
             if position + batch > len(order):  # new epoch: fresh permutation
@@ -154,6 +154,11 @@ class ClientRuntime:
                 alpha = cfg.alignment.alpha
                 for p, g in zip(params, fair_grad, strict=True):
                     p.grad.mul_(1.0 - alpha).add_(g, alpha=alpha)
+            if fair is not None:  # FedFair Eq. 11: η_i = η·(1 + λ·(F_i(w, b) − F)), from this batch's loss
+                step_lr = lr * max(0.0, 1.0 + fair.fair_lambda * (float(loss.detach()) - fair.global_loss))
+                for group in opt.param_groups:
+                    group["lr"] = step_lr
+                lr_sum += step_lr
             opt.step()
             loss_sum += float(loss.detach())
             if step == 0 and cfg.record_first_step:
@@ -165,7 +170,7 @@ class ClientRuntime:
         out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
         out.metrics["train_loss"] = loss_sum / max(steps, 1)
         out.metrics["local_steps"] = float(steps)
-        out.metrics["lr"] = lr
+        out.metrics["lr"] = lr_sum / max(steps, 1) if fair is not None else lr
         if cfg.want_bias_update:
             bias_name = self._classifier_bias_name()
             offset = 0
