@@ -9,10 +9,11 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 CONFIG ?= experiments/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup dataset run run-inprocess test test-unit test-integration lint format protos clean
+.PHONY: help setup dataset prometheus run run-inprocess monitor test test-unit test-integration lint format protos clean
 
 help:
 	@echo "make run          run $(CONFIG) over gRPC (services and agents as local processes)"
+	@echo "make monitor      make run, with a local Prometheus scraping every process (docs/observability.md)"
 	@echo "make test         run the test suite (unit + integration)"
 	@echo "make lint         ruff check and format check"
 	@echo "make protos       regenerate the gRPC stubs from protos/"
@@ -25,7 +26,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-setup: $(STAMP) dataset
+setup: $(STAMP) dataset prometheus
 
 # Fashion-MNIST comes from Debian's dataset-fashion-mnist; installed when we are root, otherwise we say how.
 dataset:
@@ -38,11 +39,26 @@ dataset:
 		echo "note: Fashion-MNIST not found in $(FMNIST_DIR); install dataset-fashion-mnist (root) or set data.root"; \
 	fi
 
+# Prometheus and promtool come from Debian's prometheus package (without its recommends: no exporters); installed when we
+# are root, otherwise the tests that need them are skipped and `make monitor` says how to get them.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian package prometheus"; \
+		apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; \
+	else \
+		echo "note: prometheus/promtool not found; install Debian's prometheus (root) for make monitor and the rule tests"; \
+	fi
+
 run: setup
 	$(VENV)/bin/fairfl run $(CONFIG)
 
 run-inprocess: setup
 	$(VENV)/bin/fairfl run $(CONFIG) --transport inprocess
+
+monitor: setup
+	$(VENV)/bin/fairfl run $(CONFIG) --monitor
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from aggregator_service.dp import DpController
 from aggregator_service.strategies import RoundContext, Strategy, build_strategy
 from client_agent.trainer import build_global_model
 from fairfl.config import ExperimentConfig
@@ -99,7 +100,9 @@ class Selector(Protocol):
 class PrivacyGate(Protocol):
     def start(self, run_id: str, config: ExperimentConfig) -> None: ...
 
-    def authorize_round(self, run_id: str, round_number: int, config: ExperimentConfig) -> float: ...
+    def authorize_round(
+        self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int]
+    ) -> float: ...
 
 
 class RunStopped(Exception):
@@ -125,6 +128,7 @@ class RoundEngine:
         privacy: PrivacyGate,
         on_event: Callable[[control_pb2.RunEvent], None],
         stop: threading.Event | None = None,
+        dp_randomness: str = "task",
     ) -> None:
         self.run_id = run_id
         self.config = config
@@ -138,6 +142,8 @@ class RoundEngine:
             config.strategy.name, config.strategy.params, config.strategy.server_lr
         )
         self.round = 0
+        # DP runs: DP-SGD settings in every TRAIN task, per-client loss clip bounds, client-level aggregation.
+        self.dp = DpController(config, dp_randomness) if config.privacy.enabled else None
 
     def _status(self, state: int, message: str = "") -> None:
         status = control_pb2.RunStatus(
@@ -192,6 +198,8 @@ class RoundEngine:
         )
         unit, count = t.budget()
         setattr(cfg, unit, count)
+        if self.dp is not None:
+            self.dp.configure(cfg)
         return cfg
 
     def _tasks(
@@ -229,7 +237,8 @@ class RoundEngine:
         if count == 0:
             raise RuntimeError("no clients available")
         selected = sorted(self.selector.select(self.run_id, round_number, candidates, count, cfg.seed))
-        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg)
+        # Records this round's privacy events before any task leaves; a refusal stops the run (RunStopped).
+        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected)
         ctx = RoundContext(
             self.run_id,
             round_number,
@@ -250,6 +259,8 @@ class RoundEngine:
                     task.train.CopyFrom(plan.train)
                 if plan.probe is not None:
                     task.probe.CopyFrom(plan.probe)
+                if self.dp is not None:
+                    self.dp.fill(task)
 
             outcome = self.transport.execute(
                 self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill),
@@ -270,9 +281,14 @@ class RoundEngine:
                 aggregated = False
                 break
             phases.append(outcome.results)
+            if self.dp is not None:
+                self.dp.observe(outcome.results)
             phase_index += 1
         if aggregated and phases:
-            outcome_agg = self.strategy.aggregate(ctx, phases)
+            if self.dp is not None and self.dp.client_level:
+                outcome_agg = self.dp.aggregate(ctx, phases)
+            else:
+                outcome_agg = self.strategy.aggregate(ctx, phases)
             if not bool(torch.isfinite(outcome_agg.params).all()):
                 raise RuntimeError(f"round {round_number}: aggregation produced non-finite parameters")
             self.params = outcome_agg.params
@@ -280,7 +296,8 @@ class RoundEngine:
             event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome_agg.metrics.items())
             losses = [r.metrics.get("train_loss", math.nan) for r in phases[-1]]
             event.mean_train_loss = float(np.nanmean(losses)) if losses else math.nan
-        if round_number % cfg.evaluation.every == 0 or round_number == cfg.rounds:
+        last = round_number == cfg.rounds or (self.dp is not None and round_number == self.dp.last_round)
+        if round_number % cfg.evaluation.every == 0 or last:
             self._evaluate(round_number, event)
         late, duplicate = self.transport.refused_after_close(round_number)
         event.results_late += late

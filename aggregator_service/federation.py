@@ -21,7 +21,7 @@ import torch
 
 from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ClientTransport, PhaseOutcome
-from fairfl import __version__, codec
+from fairfl import __version__, codec, telemetry
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult, ResultAssembler, check_result
@@ -40,10 +40,11 @@ CLOSED_TASK_MEMORY = 200_000
 class Rejected(Exception):
     """A result refused with a gRPC status; counted, and the round goes on."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, late: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, late: bool = False, reason: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.late = late
+        self.reason = reason or code.name.lower()  # bounded metric label: "late", "duplicate" or the status code
 
 
 @dataclass
@@ -113,6 +114,11 @@ class FederationState:
                 if aid in self.agents and now - self.agents[aid].last_seen < AGENT_TIMEOUT_S
             )
 
+    def live_agents(self) -> int:
+        now = time.monotonic()
+        with self.lock:
+            return sum(1 for a in self.agents.values() if now - a.last_seen < AGENT_TIMEOUT_S)
+
     def poll(self, agent_id: str, max_tasks: int, wait: float) -> list[federation_pb2.Task]:
         deadline = time.monotonic() + min(max(wait, 0.0), MAX_POLL_WAIT_S)
         with self.lock:
@@ -154,7 +160,10 @@ class FederationState:
                     else f"round {round_number} closed it at its deadline before the result arrived"
                 )
                 raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"task {header.task_id} is closed: {reason}", late=True
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"task {header.task_id} is closed: {reason}",
+                    late=True,
+                    reason=kind,
                 )
             owner = self.client_owner.get(header.client_id)
             if owner is None:
@@ -197,6 +206,7 @@ class FederationState:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"task {header.task_id} closed while its result was arriving",
                     late=True,
+                    reason="late",
                 )
             del batch.pending[header.task_id]
             del self.open_tasks[header.task_id]
@@ -360,8 +370,13 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         except Rejected as rejected:
             if not rejected.late:
                 self.state.count_rejection(header.task_id)
+            if rejected.reason == "late":
+                telemetry.RESULTS_LATE.inc()
+            else:
+                telemetry.RESULTS_REJECTED.labels(rejected.reason).inc()
             log.info("rejected result for %s: %s", header.task_id, rejected)
             context.abort(rejected.code, str(rejected))
+        telemetry.RESULTS_ACCEPTED.inc()
         return federation_pb2.SubmitReply(accepted=True)
 
 

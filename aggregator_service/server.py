@@ -14,10 +14,13 @@ import grpc
 from aggregator_service.engine import PrivacyGate, RoundEngine, Selector
 from aggregator_service.federation import SERVICE_NAME as FEDERATION_SERVICE
 from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
+from aggregator_service.monitoring import InstrumentedTransport, RunMonitor, TimedPrivacy, TimedSelector, TimedStrategy
 from aggregator_service.peers import LocalPrivacy, LocalSelector, RemotePrivacy, RemoteSelector
 from aggregator_service.runs import SERVICE_NAME as CONTROL_SERVICE
 from aggregator_service.runs import RunControlServicer, RunManager
+from fairfl import telemetry
 from fairfl.config import ExperimentConfig
+from fairfl.privacy import process_randomness
 from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
 from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2_grpc
 
@@ -31,6 +34,9 @@ class Aggregator:
         self.clustering_address = clustering_address
         self.privacy_address = privacy_address
         self.manager = RunManager(self._make_engine)
+        telemetry.enable("aggregator")
+        telemetry.CONNECTED_CLIENTS.set_function(lambda: len(self.state.live_clients()))
+        telemetry.CONNECTED_AGENTS.set_function(self.state.live_agents)
 
     def _make_engine(
         self,
@@ -45,7 +51,24 @@ class Aggregator:
             else LocalSelector(config.selection.method)
         )
         privacy: PrivacyGate = RemotePrivacy(self.privacy_address) if self.privacy_address else LocalPrivacy()
-        return RoundEngine(run_id, config, GrpcTransport(self.state), selector, privacy, on_event, stop)
+        monitor = RunMonitor(run_id, config)
+
+        def record(event: control_pb2.RunEvent) -> None:
+            monitor(event)
+            on_event(event)
+
+        engine = RoundEngine(
+            run_id,
+            config,
+            InstrumentedTransport(GrpcTransport(self.state)),
+            TimedSelector(selector),
+            TimedPrivacy(privacy),
+            record,
+            stop,
+            dp_randomness=process_randomness(),  # FAIRFL_DP_RANDOMNESS, default secure (see fairfl.privacy)
+        )
+        engine.strategy = TimedStrategy(engine.strategy)
+        return engine
 
     def register(self, server: grpc.Server) -> list[str]:
         federation_pb2_grpc.add_FederationServicer_to_server(FederationServicer(self.state), server)
@@ -72,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         help="privacy service address; empty = in-memory ledger",
     )
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
+    telemetry.add_metrics_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    metrics = telemetry.start_from_args(args, "aggregator")
     running, _ = serve(args.bind, args.clustering, args.privacy)
-    print(f"LISTENING {running.port}", flush=True)
+    # Launchers asking for port 0 read the bound ports from this line.
+    print(telemetry.announcement(running.port, metrics), flush=True)
     serve_until_signal(running, SERVICE_NAMES)
     return 0
 

@@ -13,14 +13,18 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 
 import grpc
 import torch
 
+from client_agent.dp_sgd import DpPolicy, PolicyRefusal
 from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
-from fairfl import __version__, codec
+from fairfl import __version__, codec, telemetry
 from fairfl.config import experiment_from_yaml
+from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
 from fairfl.protocol import encode_result
 from fairfl.rpc import SHORT_DEADLINE, TRANSFER_DEADLINE, configure_logging, open_channel
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
@@ -48,8 +52,18 @@ def parse_client_ids(text: str) -> list[int]:
 
 
 class Agent:
-    def __init__(self, aggregator: str, client_ids: list[int], device: str = "auto", name: str = "") -> None:
+    def __init__(
+        self,
+        aggregator: str,
+        client_ids: list[int],
+        device: str = "auto",
+        name: str = "",
+        dp_policy: DpPolicy | None = None,
+        dp_randomness: str = "secure",
+    ) -> None:
         self.client_ids = client_ids
+        self.dp_policy = dp_policy or DpPolicy()  # the weakest DP this agent's owner accepts
+        self.dp_randomness = check_randomness(dp_randomness)
         self.device = resolve_device(device)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.channel = open_channel(aggregator)
@@ -59,6 +73,7 @@ class Agent:
         self.models: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.stop = threading.Event()
         self.tasks_done = 0
+        telemetry.AGENT_CLIENTS.set(len(client_ids))
 
     # -- connection ---------------------------------------------------------------------------------------------
 
@@ -74,6 +89,7 @@ class Agent:
                     wait_for_ready=True,
                 )
                 self.agent_id = reply.agent_id
+                telemetry.AGENT_REGISTRATIONS.inc()
                 self.heartbeat_interval = reply.heartbeat_interval_seconds or 5.0
                 self.poll_wait = reply.poll_wait_seconds or 10.0
                 log.info("registered as %s with %d clients on %s", self.agent_id[:8], len(self.client_ids), self.device)
@@ -126,7 +142,9 @@ class Agent:
             config = experiment_from_yaml(spec.experiment_yaml)
             data = load_run_data(config)
             hosted = [c for c in self.client_ids if c < data.num_clients]
-            runtime = ClientRuntime(config, data, hosted, self.device, self._fetch_model)
+            runtime = ClientRuntime(
+                config, data, hosted, self.device, self._fetch_model, self.dp_policy, self.dp_randomness
+            )
             self.runtimes = {run_id: runtime}  # one run at a time: drop older runs' data
             self.models.clear()
             log.info("prepared run %s: %d local clients", run_id, len(hosted))
@@ -136,7 +154,9 @@ class Agent:
         cached = self.models.get(ref.sha256)
         if cached is not None:
             self.models.move_to_end(ref.sha256)
+            telemetry.AGENT_MODEL_FETCHES.labels("hit").inc()
             return cached
+        telemetry.AGENT_MODEL_FETCHES.labels("miss").inc()
         layout = next(iter(self.runtimes.values())).layout
         stream = self.stub.FetchBlob(ref, timeout=TRANSFER_DEADLINE)
         first = next(stream)
@@ -148,6 +168,7 @@ class Agent:
         receiver = codec.PayloadReceiver(first.header.total_bytes, ref.sha256, max_bytes=layout.nbytes)
         for chunk in stream:
             receiver.add(chunk.data)
+            telemetry.AGENT_RECEIVED_BYTES.inc(len(chunk.data))
         flat = torch.frombuffer(receiver.finish(), dtype=torch.float32)
         self.models[ref.sha256] = flat
         while len(self.models) > MODEL_CACHE_SIZE:
@@ -155,18 +176,41 @@ class Agent:
         return flat
 
     def _handle(self, task: federation_pb2.Task) -> None:
+        phase = _PHASES.get(task.phase, "other")
+        started = time.perf_counter()
         try:
             runtime = self._runtime(task.run_id)
             result = runtime.run(task)
+        except PolicyRefusal as err:  # nothing is computed or sent; the round closes without this client
+            log.error("task %s refused by this agent's privacy policy: %s", task.task_id, err)
+            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
+            return
         except Exception:  # a failing task must not kill the agent; the round closes at its deadline
             log.exception("task %s failed", task.task_id)
+            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
             return
+        telemetry.AGENT_TASK_DURATION.labels(phase).observe(time.perf_counter() - started)
         result.agent_id = self.agent_id
         try:
-            self.stub.SubmitResult(encode_result(result, runtime.layout), timeout=TRANSFER_DEADLINE)
+            self.stub.SubmitResult(_counted(encode_result(result, runtime.layout)), timeout=TRANSFER_DEADLINE)
             self.tasks_done += 1
+            telemetry.AGENT_TASKS.labels(phase, "submitted").inc()
         except grpc.RpcError as err:
             log.warning("result for %s refused: %s %s", task.task_id, err.code().name, err.details())
+            telemetry.AGENT_TASKS.labels(phase, "refused").inc()
+
+
+_PHASES = {
+    federation_pb2.PHASE_TRAIN: "train",
+    federation_pb2.PHASE_PROBE: "probe",
+    federation_pb2.PHASE_EVALUATE: "evaluate",
+}
+
+
+def _counted(chunks: Iterable[federation_pb2.ResultChunk]) -> Iterator[federation_pb2.ResultChunk]:
+    for chunk in chunks:
+        telemetry.AGENT_SENT_BYTES.inc(chunk.ByteSize())
+        yield chunk
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("FAIRFL_THREADS", "1")))
     parser.add_argument("--name", default=os.environ.get("FAIRFL_AGENT_NAME", ""))
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--dp-randomness",
+        choices=RANDOMNESS,
+        default=os.environ.get(RANDOMNESS_ENV, "secure"),
+        help="DP sampling and noise from the OS (secure, default) or from the task seed (task: reproducible "
+        f"simulations only; the server knows the seed); env {RANDOMNESS_ENV}",
+    )
+    DpPolicy.add_arguments(parser)
+    telemetry.add_metrics_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     if args.clients_per_agent and not args.clients:
@@ -192,10 +245,18 @@ def main(argv: list[str] | None = None) -> int:
         args.clients = f"{ordinal * args.clients_per_agent}-{(ordinal + 1) * args.clients_per_agent - 1}"
     try:
         client_ids = parse_client_ids(args.clients)
+        policy = DpPolicy.from_args(args)
     except ValueError as err:
         parser.error(str(err))
     torch.set_num_threads(max(1, args.threads))
-    agent = Agent(args.aggregator, client_ids, args.device, args.name)
+    try:
+        metrics = telemetry.start_from_args(args, "agent")
+    except OSError as err:
+        log.error("cannot start the client agent: %s", err)
+        return 1
+    if metrics is not None:  # launchers read the metrics port from this line
+        print(telemetry.announcement(None, metrics), flush=True)
+    agent = Agent(args.aggregator, client_ids, args.device, args.name, policy, args.dp_randomness)
 
     import signal
 

@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from client_agent import dp_sgd
 from fairfl.config import ExperimentConfig
 from fairfl.data import FederatedData, build_federated
 from fairfl.models import build_model
 from fairfl.params import ParamLayout, flatten_parameters, load_flat
+from fairfl.privacy import check_randomness, dp_seed
 from fairfl.protocol import EVALUATE, FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
 
@@ -38,7 +40,12 @@ def resolve_device(requested: str) -> torch.device:
 def build_global_model(config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The run's initial model; every process builds the same one from the run seed."""
     torch.manual_seed(config.seed)
-    kwargs = {"hidden": tuple(config.model.hidden)} if config.model.name == "mlp" else {}
+    m = config.model
+    kwargs: dict[str, object] = {}
+    if m.name == "mlp":
+        kwargs = {"hidden": tuple(m.hidden)}
+    elif m.name == "cnn":
+        kwargs = {"channels": tuple(m.cnn_channels), "hidden": m.cnn_hidden}
     return build_model(config.model.name, input_shape, num_classes, **kwargs)
 
 
@@ -60,8 +67,12 @@ class ClientRuntime:
         client_ids: list[int],
         device: torch.device,
         resolve_blob: BlobResolver,
+        dp_policy: dp_sgd.DpPolicy | None = None,
+        dp_randomness: str = "task",
     ) -> None:
         self.config = config
+        self.dp_policy = dp_policy or dp_sgd.DpPolicy()
+        self.dp_randomness = check_randomness(dp_randomness)  # see fairfl.privacy: 'task' only for simulations
         self.device = device
         self.resolve_blob = resolve_blob
         self.model = build_global_model(config, data.input_shape, data.num_classes).to(device)
@@ -83,6 +94,7 @@ class ClientRuntime:
         client = self.clients.get(task.client_id)
         if client is None:
             raise KeyError(f"client {task.client_id} is not hosted here")
+        self.dp_policy.check(task)  # before anything touches the data
         params = self.resolve_blob(task.model)
         load_flat(self.model, params)
         result = ClientResult(
@@ -107,6 +119,9 @@ class ClientRuntime:
 
     def _train(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
         cfg = task.train
+        if cfg.HasField("dp"):
+            self._train_dp(task, c, x0, out)
+            return
         model = self.model
         n = len(c.y_train)
         batch = min(cfg.batch_size, n)
@@ -180,6 +195,77 @@ class ClientRuntime:
                 offset += size
         if cfg.want_activation:
             out.activation = self._mean_log_softmax_features(c)
+
+    def _train_dp(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
+        """FedFDP's LOCAL (Alg. 2): K DP-SGD steps on Poisson(q) batches with fair clipping, then the noisy loss.
+
+        λ = dp.fair_lambda (0 = standard DP-SGD), F = fair_step.global_loss (0 without one). Optimiser, momentum,
+        weight decay and lr apply to the noisy gradient (post-processing). See client_agent/dp_sgd.py.
+        """
+        cfg, dp = task.train, task.train.dp
+        if cfg.WhichOneof("budget") != "local_steps":
+            raise ValueError("DP-SGD needs local_steps: epochs are not Poisson-sampled steps")
+        if not 0 < dp.sample_rate <= 1 or dp.noise_multiplier <= 0 or dp.clip_norm <= 0:
+            raise ValueError(
+                f"invalid DP-SGD settings: sample_rate={dp.sample_rate}, noise_multiplier={dp.noise_multiplier}, "
+                f"clip_norm={dp.clip_norm}"
+            )
+        if cfg.HasField("alignment") or cfg.record_first_step or cfg.want_bias_update or cfg.want_activation:
+            raise ValueError("DP-SGD tasks cannot also release alignment steps, bias updates or activations")
+        model = self.model
+        n = len(c.y_train)
+        batch = min(cfg.batch_size, n)
+        out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)  # telemetry, not private
+        seeds = [dp_seed(self.dp_randomness, task.seed, purpose) for purpose in range(4)]
+        sample_gen, noise_gen, loss_sample_gen, loss_noise_gen = (torch.Generator().manual_seed(s) for s in seeds)
+
+        params = dict(model.named_parameters())
+        if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
+            opt: torch.optim.Optimizer = torch.optim.Adam(params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            opt = torch.optim.SGD(params.values(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        anchor = {k: p.detach().clone() for k, p in params.items()} if cfg.prox_mu > 0 else None
+        global_loss = cfg.fair_step.global_loss if cfg.HasField("fair_step") else 0.0
+        idx = torch.empty(0, dtype=torch.long)
+        loss_sum, sampled = 0.0, 0
+        model.train()
+        for _ in range(cfg.local_steps):
+            idx = dp_sgd.poisson_sample(n, dp.sample_rate, sample_gen).to(self.device)
+            prox = None
+            if anchor is not None:
+                prox = {k: cfg.prox_mu * (p.detach() - anchor[k]) for k, p in params.items()}
+            clipped = dp_sgd.clipped_gradient_sum(
+                model, c.x_train[idx], c.y_train[idx], dp.clip_norm, dp.fair_lambda, global_loss, prox
+            )
+            noise = dp_sgd.gaussian_like(clipped.sums, dp.noise_multiplier * dp.clip_norm, noise_gen)
+            divisor = dp_sgd.normalizer(dp, n, clipped.batch)
+            opt.zero_grad(set_to_none=False)
+            for k, p in params.items():
+                p.grad = (clipped.sums[k] + noise[k]) / divisor
+            opt.step()
+            loss_sum += clipped.loss_sum
+            sampled += clipped.batch
+        out.payloads[UPDATE] = flatten_parameters(model) - x0
+        if dp.loss_noise_multiplier > 0:
+            clip = max(dp.loss_clip, dp.loss_clip_min)
+            if not dp.shared_loss_batch:  # §2.6 (a): an independent Poisson batch, so Theorem 3 applies
+                idx = dp_sgd.poisson_sample(n, dp.sample_rate, loss_sample_gen).to(self.device)
+            model.eval()
+            out.noisy_loss = dp_sgd.noisy_loss(
+                model,
+                c.x_train[idx],
+                c.y_train[idx],
+                clip,
+                dp.loss_noise_multiplier,
+                dp_sgd.normalizer(dp, n, len(idx)),
+                loss_noise_gen,
+            )
+            out.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)
+        out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)  # telemetry, not private
+        # Telemetry for experiments, computed from private data without noise (like loss_before/after).
+        out.metrics["train_loss"] = loss_sum / max(sampled, 1)
+        out.metrics["local_steps"] = float(cfg.local_steps)
+        out.metrics["lr"] = cfg.lr
 
     def _probe(self, task: federation_pb2.Task, c: _ClientTensors, out: ClientResult) -> None:
         cfg = task.probe

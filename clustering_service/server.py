@@ -11,6 +11,7 @@ import grpc
 
 from clustering_service.servicer import SERVICE_NAME, ClusteringServicer
 from clustering_service.state import StateStore
+from fairfl import telemetry
 from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
 from fairfl.v1 import clustering_pb2_grpc
 
@@ -20,9 +21,12 @@ DEFAULT_BIND = "0.0.0.0:50052"
 BIND_ENV = "FAIRFL_CLUSTERING_BIND"
 
 
-def serve(bind: str, store: StateStore | None = None) -> RunningServer:
+def serve(
+    bind: str, store: StateStore | None = None, client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT
+) -> RunningServer:
     """Start the Clustering service (plus health and reflection) on `bind`; port 0 picks a free port."""
-    servicer = ClusteringServicer(store)
+    telemetry.enable("clustering")
+    servicer = ClusteringServicer(store, client_limit)
 
     def register(server: grpc.Server) -> list[str]:
         clustering_pb2_grpc.add_ClusteringServicer_to_server(servicer, server)
@@ -39,15 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"host:port to listen on; port 0 picks a free one (default: ${BIND_ENV} or {DEFAULT_BIND})",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    telemetry.add_metrics_arguments(parser, client_limit=True)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        running = serve(args.bind)
+        metrics = telemetry.start_from_args(args, "clustering")
+        running = serve(args.bind, client_limit=args.metrics_client_limit)
     except (OSError, RuntimeError) as err:  # grpcio raises RuntimeError when the address cannot be bound
         log.error("cannot start the clustering service on %s: %s", args.bind, err)
         return 1
-    # Parents that asked for port 0 read the real port from this line; logs go to stderr, so stdout stays parseable.
-    print(f"LISTENING {running.port}", flush=True)
+    # Parents that asked for port 0 read the real ports from this line; logs go to stderr, so stdout stays parseable.
+    print(telemetry.announcement(running.port, metrics), flush=True)
     serve_until_signal(running, [SERVICE_NAME])
     log.info("clustering service stopped")
     return 0

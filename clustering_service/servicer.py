@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -13,7 +15,7 @@ from clustering_service import clustering, samplers
 from clustering_service.errors import InvalidInput
 from clustering_service.samplers import SelectionInput, SelectionParams
 from clustering_service.state import Signature, StateStore
-from fairfl import codec
+from fairfl import codec, telemetry
 from fairfl.rpc import abort
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, tensor_pb2
 
@@ -84,9 +86,21 @@ def _require_run_id(run_id: str) -> None:
         raise InvalidInput("run_id is required")
 
 
+_SCOPE = telemetry.RunScope("clustering")  # run-scoped series of one run per process
+
+
+def _method_label(enum: Any, value: int, prefix: str) -> str:
+    """A bounded label from a proto enum value: its name without the prefix, lower case."""
+    try:
+        return enum.Name(value).removeprefix(prefix).lower()
+    except ValueError:
+        return "unknown"
+
+
 class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
-    def __init__(self, store: StateStore | None = None) -> None:
+    def __init__(self, store: StateStore | None = None, client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT) -> None:
         self.store = store if store is not None else StateStore()
+        self.client_limit = client_limit  # cluster indices exported as labels stay below this
 
     def ReportSignatures(
         self, request: clustering_pb2.ReportSignaturesRequest, context: grpc.ServicerContext
@@ -97,6 +111,7 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
             stored = self.store.run(request.run_id).put(signatures)
         except InvalidInput as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ReportSignatures(run {request.run_id!r}): {err}")
+        telemetry.SIGNATURES.inc(len(signatures))
         log.debug("run %s: stored %d of %d signatures", request.run_id, stored, len(signatures))
         return clustering_pb2.ReportSignaturesReply(stored=stored)
 
@@ -115,6 +130,9 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
             out = samplers.run_sampler(sampler, selection, self.store.run(request.run_id))
         except InvalidInput as err:  # a sampler found the request unusable for its method
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Select(run {request.run_id!r}): {err}")
+        method = _method_label(clustering_pb2.SelectionMethod, request.method, "SELECTION_METHOD_")
+        telemetry.SELECTIONS.labels(method).inc()
+        telemetry.SELECTION_DURATION.labels(method).observe(out.seconds)
         log.debug(
             "run %s round %d: %s selected %d of %d in %.2f ms",
             request.run_id,
@@ -131,17 +149,38 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
     def Cluster(
         self, request: clustering_pb2.ClusterRequest, context: grpc.ServicerContext
     ) -> clustering_pb2.ClusterReply:
+        started = time.perf_counter()
         try:
             labels = self._cluster(request)
             nmi = clustering.nmi(request.true_groups, labels) if request.true_groups else math.nan
         except InvalidInput as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Cluster(run {request.run_id!r}): {err}")
+        sizes = clustering.cluster_sizes(labels).tolist()
+        self._export_clusters(request, sizes, nmi, time.perf_counter() - started)
         return clustering_pb2.ClusterReply(
             labels=labels.tolist(),
-            sizes=clustering.cluster_sizes(labels).tolist(),
+            sizes=sizes,
             equal_cluster_weights=clustering.equal_cluster_weights(labels).tolist(),
             nmi=nmi,
         )
+
+    def _export_clusters(
+        self, request: clustering_pb2.ClusterRequest, sizes: list[int], nmi: float, seconds: float
+    ) -> None:
+        method = _method_label(clustering_pb2.ClusterMethod, request.method, "CLUSTER_METHOD_")
+        telemetry.CLUSTERING_DURATION.labels(method).observe(seconds)
+        if not request.run_id:  # clustering is stateless and may be anonymous; run-scoped gauges need a run
+            return
+        run = request.run_id
+        _SCOPE.enter(run)
+        telemetry.CLUSTERS.labels(run).set(len(sizes))
+        # The scope holds one run, so clearing drops only this run's previous clustering.
+        telemetry.CLUSTER_SIZE.clear()
+        for index, size in enumerate(sizes[: self.client_limit]):
+            telemetry.CLUSTER_SIZE.labels(run, str(index)).set(size)
+        telemetry.CLUSTERING_NMI.clear()
+        if not math.isnan(nmi):
+            telemetry.CLUSTERING_NMI.labels(run).set(nmi)
 
     @staticmethod
     def _cluster(request: clustering_pb2.ClusterRequest) -> NDArray[np.int64]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,24 @@ def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) 
     engine.run()
 
 
-def run_grpc(config: ExperimentConfig, recorder: RunRecorder, run_id: str, out_dir: Path, aggregator: str) -> None:
+def run_grpc(
+    config: ExperimentConfig,
+    recorder: RunRecorder,
+    run_id: str,
+    out_dir: Path,
+    aggregator: str,
+    monitor: bool = False,
+    after_run: Callable[[], None] | None = None,
+) -> None:
+    """Run over gRPC; with `monitor`, a local Prometheus scrapes every process, and `after_run` is called while the
+    services (and Prometheus) are still up."""
     from fairfl.launcher import LocalCluster
+    from fairfl.monitor import Prometheus, describe
     from fairfl.rpc import open_channel
     from fairfl.v1 import control_pb2, control_pb2_grpc
 
     cluster = LocalCluster(out_dir / "logs")
+    prometheus: Prometheus | None = None
     with cluster:
         if not aggregator:
             agg, _, _ = cluster.start_services(out_dir)
@@ -58,15 +71,48 @@ def run_grpc(config: ExperimentConfig, recorder: RunRecorder, run_id: str, out_d
                 config.runtime.device,
                 config.runtime.threads_per_agent,
             )
-        with open_channel(aggregator) as channel:
-            control = control_pb2_grpc.RunControlStub(channel)
-            control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30)
-            try:
-                for event in control.WatchRun(control_pb2.WatchRunRequest(run_id=run_id)):
-                    recorder(event)
-            except KeyboardInterrupt:
-                control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason="interrupted"), timeout=10)
-                raise
+        try:
+            if monitor:
+                targets = cluster.metrics_targets()
+                prometheus = Prometheus.start(out_dir / "monitor", targets, port=MONITOR_PORT, scrape_interval="2s")
+                print(describe(prometheus, targets), flush=True)
+            with open_channel(aggregator) as channel:
+                control = control_pb2_grpc.RunControlStub(channel)
+                control.StartRun(
+                    control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30
+                )
+                try:
+                    for event in control.WatchRun(control_pb2.WatchRunRequest(run_id=run_id)):
+                        recorder(event)
+                except KeyboardInterrupt:
+                    control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason="interrupted"), timeout=10)
+                    raise
+            if after_run is not None:
+                after_run()
+        finally:
+            if prometheus is not None:
+                prometheus.stop()
+
+
+MONITOR_PORT = 9090  # Prometheus's usual port when free, so bookmarks keep working; any free port otherwise
+
+
+def _hold(seconds: float | None) -> None:
+    """Keep services and Prometheus up after the run, for looking at the final state."""
+    if seconds == 0:
+        return
+    print(
+        "monitoring: the run is over; services and Prometheus stay up "
+        + ("until Ctrl-C" if seconds is None else f"for {seconds:g}s (Ctrl-C ends it sooner)"),
+        flush=True,
+    )
+    try:
+        if seconds is None:
+            while True:
+                time.sleep(3600)
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -80,22 +126,43 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     run_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(args.output or Path(config.output_dir) / run_id)
+    if args.monitor and (args.transport != "grpc" or args.aggregator):
+        print(
+            "error: --monitor watches the processes this command starts: use it with --transport grpc and without "
+            "--aggregator",
+            file=sys.stderr,
+        )
+        return 2
+    if args.monitor:
+        from fairfl.monitor import INSTALL_HINT, prometheus_binary
+
+        if prometheus_binary() is None:
+            print(f"error: --monitor needs Prometheus: {INSTALL_HINT}", file=sys.stderr)
+            return 2
     print(
         f"FairFL run {run_id}: {config.strategy.name} on {config.data.dataset}, {config.data.num_clients} clients, "
         f"{config.selection.clients_per_round}/round, {config.rounds} rounds, transport {args.transport}"
     )
     recorder = RunRecorder(config)
     started = time.monotonic()
+    result: dict[str, Any] = {}
+
+    def finish() -> None:
+        wall = time.monotonic() - started
+        summary = recorder.write(out_dir, {"transport": args.transport, "wall_seconds": round(wall, 3)})
+        print()
+        print(recorder.fairness_table())
+        print(f"\n{summary['state']}: {summary['message']} in {wall:.1f}s; results in {out_dir}/")
+        result.update(summary)
+        if args.monitor:
+            _hold(args.monitor_hold)
+
     if args.transport == "inprocess":
         run_inprocess(config, recorder, run_id)
+        finish()
     else:
-        run_grpc(config, recorder, run_id, out_dir, args.aggregator)
-    wall = time.monotonic() - started
-    summary = recorder.write(out_dir, {"transport": args.transport, "wall_seconds": round(wall, 3)})
-    print()
-    print(recorder.fairness_table())
-    print(f"\n{summary['state']}: {summary['message']} in {wall:.1f}s; results in {out_dir}/")
-    return 0 if summary["state"] == "RUN_STATE_COMPLETED" else 1
+        run_grpc(config, recorder, run_id, out_dir, args.aggregator, monitor=args.monitor, after_run=finish)
+    return 0 if result.get("state") == "RUN_STATE_COMPLETED" else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -131,6 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--output", help="results directory (default: <output_dir>/<run id>)")
     run.add_argument("--aggregator", default="", help="use a running aggregator instead of starting services")
+    run.add_argument(
+        "--monitor",
+        action="store_true",
+        help="start a local Prometheus (Debian's prometheus) scraping every process, with FairFL's rules; "
+        "print where to look",
+    )
+    run.add_argument(
+        "--monitor-hold",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --monitor: keep services and Prometheus up this long after the run (default: until Ctrl-C)",
+    )
     run.set_defaults(func=cmd_run)
     serve = sub.add_parser("serve", help="run one component (aggregator, clustering, privacy, agent)")
     serve.add_argument("component", choices=["aggregator", "clustering", "privacy", "agent"])

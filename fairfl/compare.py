@@ -51,7 +51,7 @@ from fairfl.config import ConfigError, ExperimentConfig, load_experiment
 from fairfl.results import FAIRNESS_COLUMNS
 
 TRANSPORTS = ("inprocess", "grpc")
-PAPER_METRICS = ("mean", "variance", "worst_5", "best_5")
+PAPER_METRICS = ("mean", "variance", "worst_5", "best_5", "psi")
 # (key, column heading, decimals) of the Markdown table's measured columns.
 TABLE_METRICS = (
     ("mean", "Mean acc (%)", 2),
@@ -60,7 +60,17 @@ TABLE_METRICS = (
     ("best_5", "Best 5% (%)", 2),
 )
 # Metrics aggregated over seeds: every final fairness metric plus wall time.
-SEED_METRICS = (*FAIRNESS_COLUMNS, "wall_seconds")
+# Columns shown only when some run has them (DP and loss-fairness runs): FedFDP's Ψ as the strategy reports it (final
+# round, and the mean over the last PSI_TAIL evaluated rounds: Ψ under DP is noisy) and the ε the privacy ledger
+# recorded (largest over principals) after the final round. Ψ is printed in scientific notation.
+EXTRA_METRICS = (
+    ("psi", "Ψ (final round)", "e"),
+    ("psi_tail", "Ψ (mean, last 5 evaluations)", "e"),
+    ("psi_test", "Ψ_test (global model)", "e"),
+    ("epsilon", "ε spent (ledger)", "f4"),
+)
+PSI_TAIL = 5
+SEED_METRICS = (*FAIRNESS_COLUMNS, *(k for k, _, _ in EXTRA_METRICS), "wall_seconds")
 _SPEC_KEYS = ("name", "base", "set", "seeds", "jobs", "transport", "paper_source", "runs")
 _RUN_KEYS = ("label", "set", "seeds", "paper")
 _PM = re.compile(r"^\s*([-+0-9.eE]+)\s*(?:±|\+-|\+/-)\s*([-+0-9.eE]+)\s*$")
@@ -147,7 +157,8 @@ def _paper(value: Any, path: str) -> dict[str, PaperValue]:
     for key, raw in value.items():
         if key not in PAPER_METRICS:
             raise ConfigError(f"{path}: unknown field {key!r}; valid fields: {', '.join(PAPER_METRICS)}")
-        if isinstance(raw, int | float) and not isinstance(raw, bool) and math.isfinite(raw):
+        number = isinstance(raw, int | float) and not isinstance(raw, bool) and math.isfinite(raw)
+        if number or (isinstance(raw, str) and _is_number(raw)):  # "1.0e6" is text to YAML 1.1
             out[key] = PaperValue(float(raw))
         elif isinstance(raw, str) and (m := _PM.match(raw)):
             try:
@@ -157,6 +168,13 @@ def _paper(value: Any, path: str) -> dict[str, PaperValue]:
         else:
             raise ConfigError(f"{path}.{key}: expected a number or 'value ± spread', got {raw!r}")
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _int_at_least(value: Any, minimum: int, path: str) -> int:
@@ -272,6 +290,7 @@ class SeedSummary:
     client_accuracies: list[float]  # per client, final evaluated round
     variance_by_round: list[tuple[int, float]]
     output_dir: str = ""
+    extra: dict[str, float | None] = field(default_factory=dict)  # EXTRA_METRICS keys
 
     @classmethod
     def from_results(cls, label: str, seed: int, results: dict[str, Any], output_dir: str = "") -> SeedSummary:
@@ -289,7 +308,36 @@ class SeedSummary:
             client_accuracies=[float(c.get("accuracy", 0.0)) for c in final.get("clients", [])],
             variance_by_round=[(int(r.get("round", 0)), float(r["fairness"].get("variance", 0.0))) for r in rounds],
             output_dir=output_dir,
+            extra=_extra_metrics(rounds),
         )
+
+
+def _strategy_metric(round_: dict[str, Any], name: str) -> float | None:
+    for metric in round_.get("strategy_metrics", []):
+        if metric.get("name") == name:
+            return float(metric.get("value", 0.0))
+    return None
+
+
+def _extra_metrics(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Ψ (final evaluated round and mean of the last PSI_TAIL) and the ledger's ε after the final round."""
+    tail = [v for r in rounds[-PSI_TAIL:] if (v := _strategy_metric(r, "psi")) is not None]
+    eps = rounds[-1].get("epsilon_spent")
+    final_psi = _strategy_metric(rounds[-1], "psi")
+    psi_test = None
+    clients = rounds[-1].get("clients", [])
+    if final_psi is not None and clients:  # Eq. 7 on the global model's test losses, weighted by test samples
+        from fairfl.metrics.fairness import psi
+
+        weights = [float(c.get("num_samples", 0)) for c in clients]
+        if sum(weights) > 0:
+            psi_test = psi([float(c.get("loss", 0.0)) for c in clients], weights)
+    return {
+        "psi": final_psi,
+        "psi_tail": statistics.fmean(tail) if tail else None,
+        "psi_test": psi_test,
+        "epsilon": float(eps) if eps is not None else None,
+    }
 
 
 @dataclass(frozen=True)
@@ -314,6 +362,14 @@ class Stat:
             return f"{self.mean:.{digits}f}"
         return f"{self.mean:.{digits}f} ± {self.std:.{digits}f}"
 
+    def format_as(self, style: str) -> str:
+        """Style "e": scientific (Ψ spans 1e-3 to 1e11 across settings); "fN": N decimals."""
+        if style != "e":
+            return self.format(int(style[1:]))
+        if self.n == 0:
+            return "—"
+        return f"{self.mean:.2e}" if self.n == 1 else f"{self.mean:.2e} ± {self.std:.1e}"
+
 
 @dataclass(frozen=True)
 class AlgorithmSummary:
@@ -330,6 +386,7 @@ def summarize(
 ) -> AlgorithmSummary:
     """Aggregate one algorithm's seeds: every metric as mean ± population std; variance curve per round."""
     metrics = {k: Stat.of([r.final_fairness.get(k) for r in runs]) for k in FAIRNESS_COLUMNS}
+    metrics.update({k: Stat.of([r.extra.get(k) for r in runs]) for k, _, _ in EXTRA_METRICS})
     metrics["wall_seconds"] = Stat.of([r.wall_seconds for r in runs])
     by_round: dict[int, list[float]] = {}
     for r in runs:
@@ -346,18 +403,24 @@ def _cell(text: str) -> str:
 def render_table(algorithms: Sequence[AlgorithmSummary]) -> str:
     """The Markdown comparison table; paper columns appear when any algorithm has paper numbers."""
     with_paper = any(a.paper for a in algorithms)
-    head = ["Algorithm", "Seeds", *(h for _, h, _ in TABLE_METRICS), "Wall time / run (s)"]
+    extras = [(k, h, f) for k, h, f in EXTRA_METRICS if any(a.metrics[k].n for a in algorithms)]
+    paper_cols = [(k, h) for k, h, _ in TABLE_METRICS]
+    if any("psi" in a.paper for a in algorithms):
+        paper_cols.append(("psi", "Ψ"))
+    head = ["Algorithm", "Seeds", *(h for _, h, _ in TABLE_METRICS), *(h for _, h, _ in extras)]
+    head.append("Wall time / run (s)")
     if with_paper:
-        head += [f"Paper: {h}" for _, h, _ in TABLE_METRICS]
+        head += [f"Paper: {h}" for _, h in paper_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for a in algorithms:
         seeds = ", ".join(map(str, a.seeds)) or "none"
         if a.failed_seeds:
             seeds += f" (failed: {', '.join(map(str, a.failed_seeds))})"
         row = [_cell(a.label), seeds, *(a.metrics[k].format(d) for k, _, d in TABLE_METRICS)]
+        row += [a.metrics[k].format_as(f) for k, _, f in extras]
         row.append(a.metrics["wall_seconds"].format(1))
         if with_paper:
-            row += [str(a.paper[k]) if k in a.paper else "—" for k, _, _ in TABLE_METRICS]
+            row += [str(a.paper[k]) if k in a.paper else "—" for k, _ in paper_cols]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -387,7 +450,8 @@ def render_csv(algorithms: Sequence[AlgorithmSummary], runs: Sequence[SeedSummar
     blank = [""] * len(SEED_METRICS)
     for a in algorithms:
         for r in (r for r in runs if r.label == a.label):
-            values = [_num(r.final_fairness.get(k)) for k in FAIRNESS_COLUMNS] + [_num(r.wall_seconds)]
+            values = [_num(r.final_fairness.get(k)) for k in FAIRNESS_COLUMNS]
+            values += [_num(r.extra.get(k)) for k, _, _ in EXTRA_METRICS] + [_num(r.wall_seconds)]
             writer.writerow([a.label, "seed", r.seed, r.final_round, *values, *blank, *[""] * len(paper_cols)])
         paper = [_num(a.paper[k].value) if k in a.paper else "" for k in PAPER_METRICS]
         paper += [_num(a.paper[k].spread) if k in a.paper else "" for k in PAPER_METRICS]
@@ -569,7 +633,25 @@ def render_markdown(result: ComparisonResult, command_line: str, machine: dict[s
     if any(r.paper for r in spec.runs):
         source = spec.paper_source or "the paper (source not named)"
         lines.append(f'Columns labelled "Paper" are the numbers reported in {source}, not measured here.')
+    if any(r.extra.get("psi") is not None or r.extra.get("epsilon") is not None for r in result.runs):
+        lines.append(
+            "Ψ is FedFDP's fairness measure as its reference code reports it: the p-weighted variance of the clients' "
+            "losses on their own training data after local training (strategy metric `psi`; experiment telemetry, not "
+            "a DP release). Ψ_test is Eq. 7 on the final global model: the variance of the clients' test losses, "
+            "weighted by test samples. ε spent is what the privacy ledger recorded after the final round: the largest "
+            "over principals (clients, or the federation), recomputed from the stored events."
+        )
     lines += ["", render_table(result.algorithms())]
+    if any(r.extra.get("epsilon") is not None for r in result.runs):
+        lines += ["", "Per run:", ""]
+        lines.append("| Algorithm | Seed | Final round | Mean acc (%) | Ψ (final round) | ε spent (ledger) |")
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for r in result.runs:
+            psi, eps, acc = r.extra.get("psi"), r.extra.get("epsilon"), r.final_fairness.get("mean")
+            lines.append(
+                f"| {_cell(r.label)} | {r.seed} | {r.final_round} | {'—' if acc is None else f'{acc:.2f}'} | "
+                f"{'—' if psi is None else f'{psi:.3e}'} | {'—' if eps is None else f'{eps:.4f}'} |"
+            )
     if result.failures:
         lines += ["", "## Failed runs", ""]
         for f in result.failures:
@@ -619,6 +701,7 @@ def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, 
                 "wall_seconds": r.wall_seconds,
                 "final_fairness": r.final_fairness,
                 "client_accuracies": r.client_accuracies,
+                "extra": r.extra,
                 "variance_by_round": r.variance_by_round,
             }
             for r in result.runs

@@ -52,11 +52,18 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: Literal["mlp", "cnn", "logreg"] = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [200, 200])
+    hidden: list[int] = field(default_factory=lambda: [200, 200])  # mlp hidden widths
+    cnn_channels: list[int] = field(default_factory=lambda: [32, 64])  # cnn conv widths (FedAvgCNN: 32, 64)
+    cnn_hidden: int = 512  # cnn fully connected width (FedAvgCNN: 512)
 
     def validate(self, path: str) -> None:
         for i, width in enumerate(self.hidden):
             _at_least(width, 1, f"{path}.hidden[{i}]")
+        if len(self.cnn_channels) != 2:
+            raise ConfigError(f"{path}.cnn_channels: expected 2 conv widths, got {len(self.cnn_channels)}")
+        for i, width in enumerate(self.cnn_channels):
+            _at_least(width, 1, f"{path}.cnn_channels[{i}]")
+        _at_least(self.cnn_hidden, 1, f"{path}.cnn_hidden")
 
 
 @dataclass
@@ -134,9 +141,12 @@ class RuntimeConfig:
     register_timeout_s: float = 120.0
     device: str = "auto"
     threads_per_agent: int = 1
+    # Per-client Prometheus series (accuracy, loss) only for client ids below this, so label cardinality stays bounded.
+    metrics_client_limit: int = 100
 
     def validate(self, path: str) -> None:
         _at_least(self.agents, 1, f"{path}.agents")
+        _at_least(self.metrics_client_limit, 0, f"{path}.metrics_client_limit")
         _positive(self.round_timeout_s, f"{path}.round_timeout_s")
         if not 0 < self.min_completion <= 1:
             raise ConfigError(f"{path}.min_completion: must be in (0, 1], got {self.min_completion}")
@@ -144,6 +154,63 @@ class RuntimeConfig:
         _at_least(self.threads_per_agent, 1, f"{path}.threads_per_agent")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"{path}.device: expected 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+PRIVACY_STRATEGIES = ("fedavg", "fedprox", "fedfair", "qffl")  # strategies with a DP procedure (spec seed-fedfdp §7)
+
+
+@dataclass
+class PrivacyConfig:
+    """Differential privacy of a run (seed-fedfdp §1.3, §2). Off by default; see privacy_service and client_agent.
+
+    principal `client`: record-level DP per client, every client runs DP-SGD (Poisson rate `sample_rate`, clip
+    `clip_norm`, noise `noise_multiplier`) and releases a noisy loss (σ_l = `loss_noise_multiplier`, 0 = none).
+    principal `federation`: client-level DP-FedAvg, q = clients_per_round / num_clients, updates clipped to
+    `clip_norm`, server noise `noise_multiplier`·clip_norm. `mode` chooses what the ledger accounts (§2.4–2.6).
+    """
+
+    enabled: bool = False
+    epsilon: float = 3.52
+    delta: float = 1e-5
+    accountant: Literal["rdp", "pld"] = "rdp"
+    orders: list[float] | None = None  # RDP orders; None = dp_accounting's defaults
+    mode: Literal["theorem3", "gradient_only", "joint_batch"] = "theorem3"
+    principal: Literal["client", "federation"] = "client"
+    sample_rate: float = 0.05
+    noise_multiplier: float = 2.0
+    clip_norm: float = 0.1
+    loss_noise_multiplier: float = 5.0
+    loss_clip_init: float = 2.5
+    loss_clip_min: float = 0.1
+    grad_normalizer: Literal["expected", "realized", "fixed"] = "expected"
+    fixed_batch: int = 64
+
+    def validate(self, path: str) -> None:
+        if not self.enabled:
+            return
+        _positive(self.epsilon, f"{path}.epsilon")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"{path}.delta: must be in (0, 1), got {self.delta}")
+        if self.orders is not None:
+            if self.accountant != "rdp":
+                raise ConfigError(f"{path}.orders: apply only to accountant rdp, not {self.accountant!r}")
+            for i, order in enumerate(self.orders):
+                if not 1 < order < float("inf"):
+                    raise ConfigError(f"{path}.orders[{i}]: must be > 1 and finite, got {order}")
+        if not 0 < self.sample_rate <= 1:
+            raise ConfigError(f"{path}.sample_rate: must be in (0, 1], got {self.sample_rate}")
+        _positive(self.noise_multiplier, f"{path}.noise_multiplier")
+        _positive(self.clip_norm, f"{path}.clip_norm")
+        _positive(self.loss_noise_multiplier, f"{path}.loss_noise_multiplier", allow_zero=True)
+        _positive(self.loss_clip_init, f"{path}.loss_clip_init")
+        _positive(self.loss_clip_min, f"{path}.loss_clip_min")
+        if self.loss_clip_min > self.loss_clip_init:
+            raise ConfigError(
+                f"{path}.loss_clip_min: {self.loss_clip_min} exceeds loss_clip_init = {self.loss_clip_init}"
+            )
+        _at_least(self.fixed_batch, 1, f"{path}.fixed_batch")
+        if self.mode == "joint_batch" and self.loss_noise_multiplier == 0:
+            raise ConfigError(f"{path}.loss_noise_multiplier: mode joint_batch needs a loss release (σ_l > 0)")
 
 
 @dataclass
@@ -158,6 +225,7 @@ class ExperimentConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     output_dir: str = "runs"
 
     def validate(self, path: str = "") -> None:
@@ -170,6 +238,32 @@ class ExperimentConfig:
             )
         if self.runtime.agents > self.data.num_clients:
             raise ConfigError(f"runtime.agents: {self.runtime.agents} agents for {self.data.num_clients} clients")
+        if self.privacy.enabled:
+            self._validate_privacy()
+
+    def _validate_privacy(self) -> None:
+        """Cross-section rules of a DP run; each error names the field to change."""
+        p, name = self.privacy, self.strategy.name
+        if name not in PRIVACY_STRATEGIES:
+            raise ConfigError(
+                f"strategy.name: {name!r} has no DP procedure; with privacy.enabled use one of "
+                f"{', '.join(PRIVACY_STRATEGIES)}"
+            )
+        if p.principal == "federation":
+            if name != "fedavg":
+                raise ConfigError(f"strategy.name: privacy.principal federation (DP-FedAvg) needs fedavg, got {name!r}")
+            if self.strategy.params.get("server_momentum", 0):
+                raise ConfigError("strategy.params.server_momentum: must be 0 with privacy.principal federation")
+            return
+        if self.training.local_epochs is not None:
+            raise ConfigError(
+                "training.local_epochs: DP-SGD counts Poisson-sampled steps; set training.local_steps instead"
+            )
+        if name in ("fedfair", "qffl") and p.loss_noise_multiplier == 0:
+            raise ConfigError(
+                f"privacy.loss_noise_multiplier: strategy {name} uses the clients' losses, so they must be released "
+                "with noise (σ_l > 0)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,7 +1,8 @@
 """Local launcher: the services and agents as separate OS processes on free loopback ports.
 
-Each child announces its port with a `LISTENING <port>` line, so nothing races for a port chosen in advance.
-Child output goes to log files in the run directory; the launcher kills every child it started on exit.
+Each child announces its ports on stdout (`LISTENING <grpc port> METRICS <metrics port>`; an agent, which serves no
+gRPC, says `METRICS <port>`), so nothing races for a port chosen in advance. Child logs go to files in the run
+directory; the launcher kills every child it started on exit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fairfl.rpc import wait_for_serving
+from fairfl.telemetry import parse_announcement
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -24,19 +26,26 @@ class Child:
     process: subprocess.Popen[str]
     log_path: Path
     port: int = 0
+    metrics_port: int = 0  # 0: the child serves no /metrics
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def metrics_address(self) -> str:
+        return f"127.0.0.1:{self.metrics_port}" if self.metrics_port else ""
 
-def _announced_port(child: Child, timeout: float) -> int:
+
+def _announced_ports(child: Child, timeout: float) -> tuple[int, int]:
+    """(gRPC port, metrics port) from the child's announcement line; 0 for a port it does not have."""
     deadline = time.monotonic() + timeout
     assert child.process.stdout is not None
     while time.monotonic() < deadline:
         line = child.process.stdout.readline()
-        if line.startswith("LISTENING "):
-            return int(line.split()[1])
+        ports = parse_announcement(line)
+        if ports is not None:
+            return ports[0] or 0, ports[1] or 0
         if not line and child.process.poll() is not None:
             break
     tail = child.log_path.read_text()[-2000:] if child.log_path.exists() else ""
@@ -49,15 +58,18 @@ class LocalCluster:
 
     log_dir: Path
     python: str = sys.executable
+    metrics: bool = True  # every child serves /metrics on a free loopback port
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, module: str, args: list[str], announce: bool) -> Child:
+    def spawn(self, name: str, module: str, args: list[str], announce: bool, wait: bool = True) -> Child:
+        """Start `python -m module`; with `announce`, its stdout carries the port line, read now unless not `wait`."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log_file = log_path.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        metrics = ["--metrics-port", "0", "--metrics-host", "127.0.0.1"] if self.metrics else ["--metrics-port", "-1"]
         process = subprocess.Popen(
-            [self.python, "-m", module, *args],
+            [self.python, "-m", module, *args, *metrics],
             stdout=subprocess.PIPE if announce else log_file,
             stderr=log_file,
             text=True,
@@ -65,8 +77,8 @@ class LocalCluster:
         )
         child = Child(name, process, log_path)
         self.children.append(child)
-        if announce:
-            child.port = _announced_port(child, STARTUP_TIMEOUT_S)
+        if announce and wait:
+            child.port, child.metrics_port = _announced_ports(child, STARTUP_TIMEOUT_S)
         return child
 
     def start_service(self, name: str, module: str, args: list[str]) -> Child:
@@ -103,10 +115,22 @@ class LocalCluster:
                         "--name",
                         f"agent-{i}",
                     ],
-                    announce=False,
+                    announce=self.metrics,  # an agent announces only its metrics port
+                    wait=False,  # agents start in parallel; their lines are read below
                 )
             )
+        if self.metrics:
+            for child in started:
+                child.port, child.metrics_port = _announced_ports(child, STARTUP_TIMEOUT_S)
         return started
+
+    def metrics_targets(self) -> dict[str, list[str]]:
+        """Scrape targets of the running children by job: aggregator, clustering, privacy, agent."""
+        targets: dict[str, list[str]] = {}
+        for child in self.children:
+            if child.metrics_port and child.process.poll() is None:
+                targets.setdefault(child.name.split("-")[0], []).append(child.metrics_address)
+        return targets
 
     def kill(self, name: str) -> None:
         for child in self.children:

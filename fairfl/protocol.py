@@ -160,6 +160,8 @@ def check_result(result: ClientResult) -> None:
             raise codec.CodecError("a training result must carry an UPDATE payload")
         if not math.isfinite(result.loss_after) or result.loss_after < 0:
             raise codec.CodecError(f"loss_after must be a finite number >= 0, got {result.loss_after}")
+        if math.isinf(result.noisy_loss):  # NaN = no loss released; a release is any finite number (noise may be < 0)
+            raise codec.CodecError(f"noisy_loss must be finite when released, got {result.noisy_loss}")
     if result.phase == PROBE and result.payloads.keys() - {GRADIENT}:
         raise codec.CodecError("a probe result may carry only a GRADIENT payload")
     if result.phase == EVALUATE:

@@ -11,6 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from fairfl.telemetry import GrpcMetricsInterceptor
+
 log = logging.getLogger(__name__)
 
 # Big payloads are streamed in chunks, so gRPC's default per-message limit (4 MiB) is left alone. Chunks stay below it.
@@ -63,12 +65,13 @@ def start_server(
 ) -> RunningServer:
     """Start a server on `bind` ("host:port"; port 0 picks a free one) with health and reflection.
 
-    `register` adds the service's servicers and returns their full names (e.g. "fairfl.v1.Privacy").
+    `register` adds the service's servicers and returns their full names (e.g. "fairfl.v1.Privacy"). Every server
+    counts and times its RPCs for Prometheus (fairfl.telemetry); the metrics are served where the process says.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=SERVER_OPTIONS,
-        interceptors=list(interceptors),
+        interceptors=[GrpcMetricsInterceptor(), *interceptors],
     )
     names = list(register(server))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)

@@ -210,8 +210,8 @@ def max_rounds(
     if accountant == "rdp":
         base, step = _rdp_curve(spent, order_grid), _rdp_curve(per_round, order_grid)
 
-        def eps_at(t: int) -> float:
-            return _rdp_epsilon(base + t * step, order_grid, delta)[0]
+        def eps_at(t: int) -> float:  # t = 0 skips t·step: 0·∞ (an order where one step is unbounded) is nan
+            return _rdp_epsilon(base + t * step if t else base, order_grid, delta)[0]
     else:
 
         def eps_at(t: int) -> float:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from fairfl import telemetry
 from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
 from fairfl.v1 import privacy_pb2_grpc
 from privacy_service.ledger import Ledger, SqliteLedger
@@ -34,12 +35,13 @@ class PrivacyServer(RunningServer):
             self.ledger.close()
 
 
-def serve(bind: str, db_path: str) -> PrivacyServer:
+def serve(bind: str, db_path: str, client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT) -> PrivacyServer:
     """Open (or create) the ledger at `db_path` and serve fairfl.v1.Privacy on `bind` ("host:port", port 0 = any)."""
+    telemetry.enable("privacy")
     ledger = SqliteLedger(db_path)
 
     def register(server: grpc.Server) -> list[str]:
-        privacy_pb2_grpc.add_PrivacyServicer_to_server(PrivacyServicer(ledger), server)
+        privacy_pb2_grpc.add_PrivacyServicer_to_server(PrivacyServicer(ledger, client_limit), server)
         return [SERVICE_NAME]
 
     try:
@@ -63,16 +65,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SQLite ledger file, created if missing (env FAIRFL_PRIVACY_DB, default %(default)s)",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
+    telemetry.add_metrics_arguments(parser, client_limit=True)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        running = serve(args.bind, args.db)
+        metrics = telemetry.start_from_args(args, "privacy")
+        running = serve(args.bind, args.db, args.metrics_client_limit)
     except Exception as err:  # unusable address or ledger file: say so instead of a traceback
         log.error("cannot start the privacy service: %s", err)
         return 1
     log.info("privacy ledger at %s", os.path.abspath(args.db))
     # Machine-readable line so launchers (and tests) using port 0 learn the bound port.
-    print(f"LISTENING {running.port}", flush=True)
+    print(telemetry.announcement(running.port, metrics), flush=True)
     serve_until_signal(running, [SERVICE_NAME])
     return 0
 

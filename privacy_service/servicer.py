@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import grpc
 
 from fairfl.rpc import abort
+from fairfl.telemetry import DEFAULT_CLIENT_LIMIT
 from fairfl.v1 import privacy_pb2 as pb
 from fairfl.v1 import privacy_pb2_grpc
 from privacy_service import accountant as acc
@@ -26,6 +27,7 @@ from privacy_service.ledger import (
     RoundConflict,
     UnknownRun,
 )
+from privacy_service.monitoring import PrivacyMetrics
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +126,9 @@ def _status(budget: Budget) -> pb.BudgetStatus:
 class PrivacyServicer(privacy_pb2_grpc.PrivacyServicer):
     """Thin servicer over a Ledger; all state and enforcement live in the ledger."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, client_limit: int = DEFAULT_CLIENT_LIMIT) -> None:
         self.ledger = ledger
+        self.metrics = PrivacyMetrics(ledger, client_limit)
 
     @_statuses
     def RegisterBudget(self, request: pb.RegisterBudgetRequest, context: grpc.ServicerContext) -> pb.BudgetStatus:
@@ -143,6 +146,7 @@ class PrivacyServicer(privacy_pb2_grpc.PrivacyServicer):
             orders=tuple(request.orders) or None,
         )
         stored, created = self.ledger.register_budget(budget)
+        self.metrics.budget(stored)
         log.info("budget %s for run %r: %s", "registered" if created else "re-sent", stored.run_id, stored)
         return _status(stored)
 
@@ -150,7 +154,13 @@ class PrivacyServicer(privacy_pb2_grpc.PrivacyServicer):
     def AuthorizeRound(
         self, request: pb.AuthorizeRoundRequest, context: grpc.ServicerContext
     ) -> pb.AuthorizeRoundReply:
-        result = self.ledger.authorize_round(_run_id(request.run_id), request.round, _events(request.events, "events"))
+        run_id, events = _run_id(request.run_id), _events(request.events, "events")
+        try:
+            result = self.ledger.authorize_round(run_id, request.round, events)
+        except BudgetExceeded:
+            self.metrics.refused()
+            raise
+        self.metrics.authorized(run_id, result, events)
         return pb.AuthorizeRoundReply(granted=True, replayed=result.replayed, max_epsilon=result.max_epsilon)
 
     @_statuses

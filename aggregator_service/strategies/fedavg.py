@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
+from aggregator_service.strategies.fedfair import loss_metrics
 from fairfl.protocol import UPDATE, ClientResult
 
 
@@ -44,6 +45,7 @@ class FedAvg(Strategy):
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,
             weights={r.client_id: w for r, w in zip(results, weights, strict=True)},
+            metrics=loss_metrics(results, weights),  # Ψ telemetry, as every baseline reports it
         )
 
     def state_dict(self) -> dict[str, Any]:

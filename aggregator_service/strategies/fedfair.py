@@ -6,6 +6,9 @@ p_i = n_i / Σ n (Alg. 1 line 7), and F is refreshed from the clients' post-trai
 F ← Σ p_i F_i(w_{t+1}^i), F_i on local *training* data, i.e. ClientResult.loss_after. F starts at
 `initial_global_loss` = 0.0 (spec §9.11, the reference code's Initial()). λ = 0 is FedAvg bit for bit.
 
+With privacy.enabled this is FedFDP (Algorithm 2): the engine puts DP-SGD into every task, λ goes into the clients'
+fair clipping coefficient min(max(1 + λΔ_i^j, 0), C/‖g‖) (Eq. 15) and F is aggregated from the noisy losses F̃_i.
+
 This module also owns `loss_metrics`, the Ψ telemetry every baseline reports (spec §9.13 asks for both forms):
   psi        = Σ p_i (F_i(x_{t,K}^i) − F)², local models' losses (loss_after), the paper tables' Ψ;
   psi_before = Σ p_i (F_i(x_t) − F)², the global model's losses (loss_before), Eq. 7 at x_t;
@@ -83,6 +86,8 @@ class FedFair(Strategy):
         cfg.fair_step.SetInParent()  # present even when both values are 0
         cfg.fair_step.global_loss = self.global_loss
         cfg.fair_step.fair_lambda = self.params.fair_lambda
+        if cfg.HasField("dp"):  # FedFDP: λ enters the per-sample clipping coefficient (Eq. 15), not the step size
+            cfg.dp.fair_lambda = self.params.fair_lambda
         return PhasePlan(phase=TRAIN, train=cfg)
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
@@ -91,10 +96,19 @@ class FedFair(Strategy):
         total = sum(r.num_samples for r in results)
         weights = [r.num_samples / total for r in results]
         delta = weighted_sum([r.payloads[UPDATE] for r in results], weights)
-        # Alg. 1 line 8: F(w_{t+1}) = Σ p_i F_i(w_{t+1}^i), the post-training losses.
-        self.global_loss = math.fsum(w * r.loss_after for w, r in zip(weights, results, strict=True))
         metrics = loss_metrics(results, weights)
-        metrics["psi"] = psi([r.loss_after for r in results], weights, global_loss=self.global_loss)  # Eq. 7
+        if ctx.train_config.HasField("dp"):
+            # FedFDP Alg. 2 line 8: F(w_{t+1}) = Σ p_i F̃_i, the clients' noisy losses (post-processing of DP
+            # releases, so it may be broadcast). Ψ stays the telemetry form (loss_after around its own mean).
+            released = [(w, r.noisy_loss) for w, r in zip(weights, results, strict=True) if math.isfinite(r.noisy_loss)]
+            if released:  # a client that released no loss is left out, p renormalised over the others
+                mass = math.fsum(w for w, _ in released)
+                self.global_loss = math.fsum(w * f for w, f in released) / mass
+                metrics["psi_noisy"] = psi([f for _, f in released], [w for w, _ in released])
+        else:
+            # Alg. 1 line 8: F(w_{t+1}) = Σ p_i F_i(w_{t+1}^i), the post-training losses.
+            self.global_loss = math.fsum(w * r.loss_after for w, r in zip(weights, results, strict=True))
+            metrics["psi"] = psi([r.loss_after for r in results], weights, global_loss=self.global_loss)  # Eq. 7
         metrics["global_loss"] = self.global_loss
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,

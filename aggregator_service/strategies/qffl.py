@@ -9,6 +9,8 @@ the global model (ClientResult.loss_before) and x_k the local model after traini
     x_{t+1} = x_t − Σ_k Δ_k^q / Σ_k h_k  =  x_t + Σ_k c_k Δ_k,   c_k = L F_k^q / Σ_j h_j.
 The second form is what runs: one weighted fold of the raw updates. `server_lr` multiplies the step (1.0 = paper).
 Reported weights are the c_k (they sum to ≤ 1: Σ h also carries the curvature term); `step_scale` = Σ c_k.
+Under privacy.enabled (DP-q-FFL) F_k is the client's noisy loss release F̃_k, clamped at 0: the plaintext loss_before is
+not a DP release.
 """
 
 from __future__ import annotations
@@ -68,7 +70,12 @@ class QFFL(Strategy):
         results = train_results(phases)
         updates = [r.payloads[UPDATE] for r in results]
         lipschitz = self.params.lipschitz or 1.0 / ctx.train_config.lr
-        losses = np.array([r.loss_before for r in results], dtype=np.float64)
+        if ctx.train_config.HasField("dp"):
+            # DP-q-FFL: F_k must be a DP release, so the client's noisy loss F̃_k (of its updated model, on an
+            # independent Poisson batch) stands in for F_k(x_t); negative noise is clamped (post-processing).
+            losses = np.array([max(r.noisy_loss, 0.0) for r in results], dtype=np.float64)
+        else:
+            losses = np.array([r.loss_before for r in results], dtype=np.float64)
         # One scalar per client (a loop over clients): ‖Δ_k‖² accumulated in float64.
         sq_norms = np.array([float(torch.dot(u.double(), u.double())) for u in updates], dtype=np.float64)
         coefs = qffl_coefficients(losses, sq_norms, self.params.q, lipschitz).tolist()

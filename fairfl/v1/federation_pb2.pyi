@@ -22,6 +22,12 @@ class Optimizer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OPTIMIZER_SGD: _ClassVar[Optimizer]
     OPTIMIZER_ADAM: _ClassVar[Optimizer]
 
+class GradNormalizer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAD_NORMALIZER_EXPECTED: _ClassVar[GradNormalizer]
+    GRAD_NORMALIZER_REALIZED: _ClassVar[GradNormalizer]
+    GRAD_NORMALIZER_FIXED: _ClassVar[GradNormalizer]
+
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PAYLOAD_KIND_UNSPECIFIED: _ClassVar[PayloadKind]
@@ -35,6 +41,9 @@ PHASE_PROBE: Phase
 OPTIMIZER_UNSPECIFIED: Optimizer
 OPTIMIZER_SGD: Optimizer
 OPTIMIZER_ADAM: Optimizer
+GRAD_NORMALIZER_EXPECTED: GradNormalizer
+GRAD_NORMALIZER_REALIZED: GradNormalizer
+GRAD_NORMALIZER_FIXED: GradNormalizer
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_UPDATE: PayloadKind
 PAYLOAD_KIND_GRADIENT: PayloadKind
@@ -121,7 +130,7 @@ class FairStep(_message.Message):
     def __init__(self, global_loss: _Optional[float] = ..., fair_lambda: _Optional[float] = ...) -> None: ...
 
 class DpSgd(_message.Message):
-    __slots__ = ("sample_rate", "noise_multiplier", "clip_norm", "fair_lambda", "loss_noise_multiplier", "loss_clip", "loss_clip_min")
+    __slots__ = ("sample_rate", "noise_multiplier", "clip_norm", "fair_lambda", "loss_noise_multiplier", "loss_clip", "loss_clip_min", "grad_normalizer", "fixed_batch", "shared_loss_batch")
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +138,9 @@ class DpSgd(_message.Message):
     LOSS_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     LOSS_CLIP_FIELD_NUMBER: _ClassVar[int]
     LOSS_CLIP_MIN_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORMALIZER_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOSS_BATCH_FIELD_NUMBER: _ClassVar[int]
     sample_rate: float
     noise_multiplier: float
     clip_norm: float
@@ -136,7 +148,10 @@ class DpSgd(_message.Message):
     loss_noise_multiplier: float
     loss_clip: float
     loss_clip_min: float
-    def __init__(self, sample_rate: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., fair_lambda: _Optional[float] = ..., loss_noise_multiplier: _Optional[float] = ..., loss_clip: _Optional[float] = ..., loss_clip_min: _Optional[float] = ...) -> None: ...
+    grad_normalizer: GradNormalizer
+    fixed_batch: int
+    shared_loss_batch: bool
+    def __init__(self, sample_rate: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., fair_lambda: _Optional[float] = ..., loss_noise_multiplier: _Optional[float] = ..., loss_clip: _Optional[float] = ..., loss_clip_min: _Optional[float] = ..., grad_normalizer: _Optional[_Union[GradNormalizer, str]] = ..., fixed_batch: _Optional[int] = ..., shared_loss_batch: _Optional[bool] = ...) -> None: ...
 
 class LocalTrainingConfig(_message.Message):
     __slots__ = ("local_steps", "local_epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "prox_mu", "alignment", "fair_step", "dp", "record_first_step", "want_bias_update", "want_activation", "loss_eval_batches")

@@ -11,12 +11,21 @@ from fairfl.config import experiment_from_dict
 from fairfl.protocol import UPDATE
 from fairfl.v1 import federation_pb2
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+]
 
 
 def test_cuda_training_matches_cpu() -> None:
-    config = experiment_from_dict({"data": {"dataset": "synthetic", "num_clients": 4}, "model": {"hidden": [32]},
-                                   "selection": {"clients_per_round": 2}, "runtime": {"agents": 1}})
+    config = experiment_from_dict(
+        {
+            "data": {"dataset": "synthetic", "num_clients": 4},
+            "model": {"hidden": [32]},
+            "selection": {"clients_per_round": 2},
+            "runtime": {"agents": 1},
+        }
+    )
     data = load_run_data(config)
     _, params = initial_model(config)
     task = federation_pb2.Task(task_id="t", run_id="r", round=1, phase=federation_pb2.PHASE_TRAIN, client_id=1, seed=5)

@@ -43,9 +43,9 @@ class Service:
                 stderr=stderr,
                 text=True,
             )
-        self.port = self._read_port(timeout=15.0)
+        self.port = self._read_port(timeout=60.0)
         self.address = f"127.0.0.1:{self.port}"
-        wait_for_serving(self.address, timeout=15.0, service="fairfl.v1.Privacy")
+        wait_for_serving(self.address, timeout=60.0, service="fairfl.v1.Privacy")
         self.channel = open_channel(self.address)
         self.stub = privacy_pb2_grpc.PrivacyStub(self.channel)
 

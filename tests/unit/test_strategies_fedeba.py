@@ -251,11 +251,17 @@ def test_fedeba_plus_without_alignment_is_fedeba_exactly() -> None:
 
     finals = []
     for name, params in (("fedeba", {"tau": 0.5}), ("fedeba_plus", {"tau": 0.5, "alpha": 0.0})):
-        config = experiment_from_dict({
-            "rounds": 3, "data": {"dataset": "synthetic", "num_clients": 8}, "model": {"hidden": [16]},
-            "training": {"local_steps": 4, "batch_size": 10}, "selection": {"clients_per_round": 3},
-            "strategy": {"name": name, "params": params}, "evaluation": {"every": 3},
-        })
+        config = experiment_from_dict(
+            {
+                "rounds": 3,
+                "data": {"dataset": "synthetic", "num_clients": 8},
+                "model": {"hidden": [16]},
+                "training": {"local_steps": 4, "batch_size": 10},
+                "selection": {"clients_per_round": 3},
+                "strategy": {"name": name, "params": params},
+                "evaluation": {"every": 3},
+            }
+        )
         engine = RoundEngine("r", config, InProcessTransport(), LocalSelector("random"), LocalPrivacy(), lambda e: None)
         finals.append(engine.run().final_params)
     assert torch.equal(finals[0], finals[1])

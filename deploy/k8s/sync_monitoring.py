@@ -1,0 +1,172 @@
+"""Build the monitoring component's PrometheusRules and Grafana dashboard ConfigMaps from deploy/prometheus and
+deploy/grafana.
+
+    python deploy/k8s/sync_monitoring.py          # (re)write deploy/k8s/components/monitoring/generated/
+    python deploy/k8s/sync_monitoring.py --check  # exit 1 when the generated files are stale
+
+kustomize can neither glob nor read files outside a kustomization's directory, and a Prometheus rules file cannot be
+turned into a PrometheusRule's `spec.groups` by kustomize alone, so this script does it: every rules file a local
+Prometheus loads (the `rule_files` globs of deploy/prometheus/prometheus.yml, plus any deploy/prometheus/*rules*.yml)
+becomes one PrometheusRule whose spec.groups is the file's `groups`, and every
+deploy/grafana/dashboards/*.json becomes one ConfigMap labelled for the Grafana dashboard sidecar, holding the file
+byte for byte. tests/integration/test_k8s_manifests.py fails when the output is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+RULES_DIR = Path("deploy/prometheus")
+RULES_GLOBS = ("*rules*.yml", "*rules*.yaml")
+PROMETHEUS_CONFIG = RULES_DIR / "prometheus.yml"  # its rule_files globs, relative to its directory, are added
+DASHBOARDS_DIR = Path("deploy/grafana/dashboards")
+DASHBOARDS_GLOB = "*.json"
+OUT_DIR = Path("deploy/k8s/components/monitoring/generated")
+RULES_OUT = OUT_DIR / "prometheus-rules.yaml"
+DASHBOARDS_OUT = OUT_DIR / "grafana-dashboards.yaml"
+
+NAMESPACE = "fairfl"
+# kube-prometheus-stack's Prometheus selects PrometheusRules and PodMonitors labelled with its Helm release name.
+PROMETHEUS_SELECTOR_LABELS = {"release": "kube-prometheus-stack"}
+# The Grafana dashboard sidecar's default label, and the folder annotation it can be configured to honour.
+DASHBOARD_LABEL = {"grafana_dashboard": "1"}
+DASHBOARD_FOLDER = {"grafana_folder": "FairFL"}
+CONFIGMAP_MAX_BYTES = 1024 * 1024
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (PromQL, dashboard JSON) as literal blocks, so the generated files stay readable."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def _name(prefix: str, path: Path) -> str:
+    stem = re.sub(r"[^a-z0-9]+", "-", path.stem.lower()).strip("-") or "unnamed"
+    return stem if stem.startswith(prefix) else f"{prefix}-{stem}"
+
+
+def _source(path: Path, repo: Path) -> str:
+    return path.resolve().relative_to(repo.resolve()).as_posix()
+
+
+def rules_globs(repo: Path = REPO) -> list[str]:
+    """Where rules files are: the local Prometheus config's rule_files, and deploy/prometheus/*rules*.y(a)ml."""
+    globs = list(RULES_GLOBS)
+    config = repo / PROMETHEUS_CONFIG
+    if config.is_file():
+        content = yaml.safe_load(config.read_text()) or {}
+        globs += [str(g) for g in content.get("rule_files") or []]
+    return globs
+
+
+def rules_files(repo: Path = REPO) -> list[Path]:
+    base = repo / RULES_DIR
+    found = {p.resolve() for pattern in rules_globs(repo) for p in base.glob(pattern) if p.is_file()}
+    return sorted(p for p in found if p.is_relative_to(base.resolve()))
+
+
+def dashboard_files(repo: Path = REPO) -> list[Path]:
+    return sorted(p for p in (repo / DASHBOARDS_DIR).glob(DASHBOARDS_GLOB) if p.is_file())
+
+
+def prometheus_rule(path: Path, repo: Path = REPO) -> dict[str, Any]:
+    content = yaml.safe_load(path.read_text())
+    if not isinstance(content, dict) or not isinstance(content.get("groups"), list):
+        raise ValueError(f"{path}: a Prometheus rules file needs a top-level `groups` list")
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {
+            "name": _name("fairfl", path),
+            "namespace": NAMESPACE,
+            "labels": {"app.kubernetes.io/part-of": "fairfl", **PROMETHEUS_SELECTOR_LABELS},
+            "annotations": {"fairfl.io/source": _source(path, repo)},
+        },
+        "spec": {"groups": content["groups"]},
+    }
+
+
+def dashboard_configmap(path: Path, repo: Path = REPO) -> dict[str, Any]:
+    text = path.read_text()
+    if len(text.encode()) > CONFIGMAP_MAX_BYTES:
+        raise ValueError(f"{path}: {len(text.encode())} bytes is over a ConfigMap's 1 MiB")
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": _name("fairfl-dashboard", path),
+            "namespace": NAMESPACE,
+            "labels": {"app.kubernetes.io/part-of": "fairfl", **DASHBOARD_LABEL},
+            "annotations": {**DASHBOARD_FOLDER, "fairfl.io/source": _source(path, repo)},
+        },
+        "data": {path.name: text},
+    }
+
+
+def _document(header: str, objects: list[dict[str, Any]]) -> str:
+    lines = [
+        "# GENERATED by deploy/k8s/sync_monitoring.py from " + header + "; do not edit.",
+        "# Re-run `python deploy/k8s/sync_monitoring.py` after changing the sources.",
+    ]
+    if not objects:
+        return "\n".join([*lines, "# (no source files yet)", ""])
+    body = yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
+    return "\n".join([*lines, body])
+
+
+def render(repo: Path = REPO) -> dict[Path, str]:
+    """The generated files' paths (relative to the repository) and contents."""
+    patterns = ", ".join(str(RULES_DIR / g) for g in rules_globs(repo))
+    rules = [prometheus_rule(p, repo) for p in rules_files(repo)]
+    dashboards = [dashboard_configmap(p, repo) for p in dashboard_files(repo)]
+    for objects in (rules, dashboards):
+        names = [o["metadata"]["name"] for o in objects]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two source files map to the same object name: {sorted(names)}")
+    return {
+        RULES_OUT: _document(patterns, rules),
+        DASHBOARDS_OUT: _document(str(DASHBOARDS_DIR / DASHBOARDS_GLOB), dashboards),
+    }
+
+
+def stale(repo: Path = REPO) -> list[Path]:
+    """Generated files whose content differs from what the sources give now."""
+    out = []
+    for rel, text in render(repo).items():
+        path = repo / rel
+        if not path.is_file() or path.read_text() != text:
+            out.append(rel)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only report stale generated files (exit 1 if any)")
+    args = parser.parse_args(argv)
+    if args.check:
+        bad = stale()
+        for rel in bad:
+            print(f"stale: {rel} (run python deploy/k8s/sync_monitoring.py)", file=sys.stderr)
+        return 1 if bad else 0
+    for rel, text in render().items():
+        (REPO / rel).parent.mkdir(parents=True, exist_ok=True)
+        (REPO / rel).write_text(text)
+        print(f"wrote {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""DP runs over gRPC with real processes: the privacy service is SIGKILLed mid-run and restarted on the same ledger
+file; and the distributed DP path against the in-process oracle (seeded DP randomness ⇒ the same model)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aggregator_service.dp import round_events
+from fairfl.config import ExperimentConfig, experiment_from_dict
+from fairfl.launcher import LocalCluster
+from fairfl.privacy import RANDOMNESS_ENV
+from fairfl.rpc import open_channel
+from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_grpc
+from privacy_service import accountant
+
+ROUNDS = 8
+
+
+def dp_config(rounds: int = ROUNDS, **privacy: Any) -> ExperimentConfig:
+    return experiment_from_dict(
+        {
+            "name": "dp",
+            "seed": 11,
+            "rounds": rounds,
+            "data": {"dataset": "synthetic", "num_clients": 6},
+            "model": {"name": "mlp", "hidden": [16]},
+            "training": {"local_steps": 2, "lr": 1.0, "batch_size": 20, "loss_eval_batches": 1},
+            "strategy": {"name": "fedfair", "params": {"fair_lambda": 0.5}},
+            "selection": {"method": "full", "clients_per_round": 6},
+            "evaluation": {"every": 4},
+            "runtime": {"agents": 2, "round_timeout_s": 60, "register_timeout_s": 60},
+            "privacy": {
+                "enabled": True,
+                "epsilon": 20.0,
+                "sample_rate": 0.1,
+                "noise_multiplier": 1.2,
+                "clip_norm": 1.0,
+                **privacy,
+            },
+        }
+    )
+
+
+def uninterrupted_epsilon(config: ExperimentConfig, rounds: int) -> float:
+    """ε of one client after `rounds` uninterrupted rounds, from the accountant directly."""
+    specs = [
+        accountant.EventSpec(e.sample_rate, e.noise_multiplier, e.count * rounds) for e in round_events(config, [0])
+    ]
+    return accountant.epsilon(specs, config.privacy.delta)[0]
+
+
+def spend(address: str, run_id: str) -> privacy_pb2.GetSpendReply:
+    with open_channel(address) as channel:
+        return privacy_pb2_grpc.PrivacyStub(channel).GetSpend(privacy_pb2.GetSpendRequest(run_id=run_id), timeout=10)
+
+
+@pytest.mark.integration
+def test_privacy_service_killed_mid_run_loses_nothing_and_counts_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(RANDOMNESS_ENV, "task")
+    config = dp_config()
+    db = tmp_path / "privacy-ledger.sqlite"
+    with LocalCluster(tmp_path / "logs") as cluster:
+        aggregator, _clustering, privacy = cluster.start_services(tmp_path)
+        port = privacy.port
+        cluster.start_agents(aggregator.address, config.data.num_clients, config.runtime.agents, "cpu", 1)
+        with open_channel(aggregator.address) as channel:
+            control = control_pb2_grpc.RunControlStub(channel)
+            control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id="crash"), timeout=30)
+            events = []
+            killed_at = restarted_at = None
+            for event in control.WatchRun(control_pb2.WatchRunRequest(run_id="crash"), timeout=300):
+                events.append(event)
+                if event.HasField("round") and event.round.round == 3 and killed_at is None:
+                    cluster.kill("privacy")  # SIGKILL: no shutdown, no flush beyond what SQLite committed
+                    killed_at = time.time()
+                    time.sleep(2.0)  # meanwhile the aggregator asks a dead service to authorize the next round
+                    restarted = cluster.start_service(
+                        "privacy-restarted", "privacy_service", ["--bind", f"127.0.0.1:{port}", "--db", str(db)]
+                    )
+                    assert restarted.port == port
+                    restarted_at = time.time()
+        final = [e.status for e in events if e.HasField("status")][-1]
+        assert final.state == control_pb2.RUN_STATE_COMPLETED, final.message
+        rounds = [e.round for e in events if e.HasField("round")]
+        assert [r.round for r in rounds] == list(range(1, ROUNDS + 1))
+
+        reply = spend(f"127.0.0.1:{port}", "crash")
+        want = uninterrupted_epsilon(config, ROUNDS)
+        assert reply.rounds_recorded == ROUNDS
+        assert len(reply.spends) == config.data.num_clients
+        for s in reply.spends:
+            assert s.epsilon == pytest.approx(want, rel=1e-12), s.principal
+            assert s.events == 2 * ROUNDS  # gradient + loss per round, each recorded once
+        assert rounds[-1].epsilon_spent == pytest.approx(want, rel=1e-12)
+
+        # A replayed call (the same round, the same events) is acknowledged and adds nothing.
+        with open_channel(f"127.0.0.1:{port}") as channel:
+            stub = privacy_pb2_grpc.PrivacyStub(channel)
+            from aggregator_service.peers import _MECHANISM_ENUM
+
+            request = privacy_pb2.AuthorizeRoundRequest(
+                run_id="crash",
+                round=5,
+                events=[
+                    privacy_pb2.PrivacyEvent(
+                        principal=e.principal,
+                        mechanism=_MECHANISM_ENUM[e.mechanism],  # type: ignore[arg-type]
+                        sample_rate=e.sample_rate,
+                        noise_multiplier=e.noise_multiplier,
+                        count=e.count,
+                    )
+                    for e in round_events(config, list(range(6)))
+                ],
+            )
+            again = stub.AuthorizeRound(request, timeout=10)
+            assert again.granted and again.replayed
+        after = spend(f"127.0.0.1:{port}", "crash")
+        assert [s.epsilon for s in after.spends] == [s.epsilon for s in reply.spends]
+        assert after.rounds_recorded == ROUNDS
+    # The run went on across the restart: rounds were recorded before the kill and after the restart, and the round
+    # the aggregator was authorizing during the outage waited for the restarted service.
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as ledger:
+        recorded = dict(ledger.execute("SELECT round, recorded_at FROM rounds WHERE run_id = 'crash'").fetchall())
+    assert killed_at is not None and restarted_at is not None
+    assert sorted(recorded) == list(range(1, ROUNDS + 1))
+    assert all(recorded[r] < killed_at for r in (1, 2, 3))
+    assert recorded[5] >= restarted_at - 1.0 and max(recorded.values()) >= restarted_at - 1.0
+
+
+@pytest.mark.integration
+def test_dp_run_over_grpc_matches_inprocess(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.integration.test_grpc_equivalence import oracle, run_over_grpc
+
+    monkeypatch.setenv(RANDOMNESS_ENV, "task")  # seeded DP sampling and noise in the agents: reproducible
+    config = dp_config(rounds=3)
+    expected, oracle_rounds = oracle(config)
+    params, events, _logs = run_over_grpc(config, tmp_path)
+    final = [e.status for e in events if e.HasField("status")][-1]
+    assert final.state == control_pb2.RUN_STATE_COMPLETED, final.message
+    rounds = [e.round for e in events if e.HasField("round")]
+    for got, want in zip(rounds, oracle_rounds, strict=True):
+        assert got.epsilon_spent == pytest.approx(want.epsilon_spent, rel=1e-12)
+        got_metrics = {m.name: m.value for m in got.strategy_metrics}
+        want_metrics = {m.name: m.value for m in want.strategy_metrics}
+        assert got_metrics["global_loss"] == pytest.approx(want_metrics["global_loss"], abs=1e-6)
+    assert float((params - expected).abs().max()) <= 1e-6
+    assert not torch.equal(expected, torch.zeros_like(expected))
