@@ -24,7 +24,7 @@ from aggregator_service.engine import ClientTransport, PhaseOutcome
 from fairfl import __version__, codec, telemetry
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
-from fairfl.protocol import ClientResult, ResultAssembler, check_result
+from fairfl.protocol import ClientResult, ResultAssembler, check_against_task, check_result
 from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 
@@ -88,11 +88,16 @@ class FederationState:
     def register(self, name: str, client_ids: list[int], device: str) -> _Agent:
         with self.lock:
             agent = _Agent(uuid.uuid4().hex, name, sorted(set(client_ids)), device, time.monotonic())
+            taken = set(agent.client_ids)
+            for old in [a for a in self.agents.values() if taken & set(a.client_ids)]:
+                # A re-registering agent takes its clients back, with the tasks already queued for them, so a
+                # reconnect does not cost the round its deadline.
+                old.client_ids = [c for c in old.client_ids if c not in taken]
+                agent.queue.extend(t for t in old.queue if t.client_id in taken)
+                old.queue = deque(t for t in old.queue if t.client_id not in taken)
+                if not old.client_ids:
+                    del self.agents[old.agent_id]
             for cid in agent.client_ids:
-                previous = self.client_owner.get(cid)
-                if previous is not None and previous in self.agents:  # a restarted agent takes its clients back
-                    old = self.agents[previous]
-                    old.client_ids = [c for c in old.client_ids if c != cid]
                 self.client_owner[cid] = agent.agent_id
             self.agents[agent.agent_id] = agent
             self.lock.notify_all()
@@ -194,6 +199,7 @@ class FederationState:
                 assembler.add(piece)
             result = assembler.finish()
             check_result(result)
+            check_against_task(result, task)
         except codec.CodecError as err:
             code = grpc.StatusCode.DATA_LOSS if "sha256" in str(err) else grpc.StatusCode.INVALID_ARGUMENT
             raise Rejected(code, f"result for task {header.task_id} refused: {err}") from err

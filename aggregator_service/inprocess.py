@@ -12,7 +12,7 @@ from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
 from fairfl.codec import CodecError
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
-from fairfl.protocol import ClientResult, check_result
+from fairfl.protocol import ClientResult, check_against_task, check_result
 from fairfl.v1 import federation_pb2, tensor_pb2
 
 
@@ -60,6 +60,7 @@ class InProcessTransport(ClientTransport):
             result = self.runtime.run(task)
             try:
                 check_result(result)
+                check_against_task(result, task)
             except CodecError:
                 rejected += 1
                 continue

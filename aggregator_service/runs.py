@@ -57,17 +57,24 @@ class RunManager:
             )
             run = _Run(run_id, config, threading.Event(), status)
             self.runs[run_id] = run
-        engine = self.make_engine(run_id, config, lambda e: self._record(run, e), run.stop)
+        try:
+            engine = self.make_engine(run_id, config, lambda e: self._record(run, e), run.stop)
+        except Exception as err:  # a run that cannot start must not block the next one
+            with self.cond:
+                run.status.state = control_pb2.RUN_STATE_FAILED
+                run.status.message = f"could not start: {type(err).__name__}: {err}"
+                self.cond.notify_all()
+            raise RunStartError(run.status.message) from err
         run.engine = engine
         run.thread = threading.Thread(target=engine.run, name=f"run-{run_id}", daemon=True)
         run.thread.start()
-        return status
+        return _copy(status)
 
     def _record(self, run: _Run, event: control_pb2.RunEvent) -> None:
         with self.cond:
             run.events.append(event)
             if event.HasField("status"):
-                run.status = event.status
+                run.status = _copy(event.status)  # the stored event must never change afterwards
             elif event.HasField("round"):
                 run.status.round = event.round.round
             self.cond.notify_all()
@@ -77,6 +84,11 @@ class RunManager:
             if run_id not in self.runs:
                 raise KeyError(f"run {run_id!r} not found")
             return self.runs[run_id]
+
+    def status(self, run_id: str) -> control_pb2.RunStatus:
+        """A snapshot of the run's status, safe to serialise while the engine keeps updating the original."""
+        with self.cond:
+            return _copy(self.get(run_id).status)
 
     def watch(self, run_id: str, is_active: Callable[[], bool]) -> Iterator[control_pb2.RunEvent]:
         run = self.get(run_id)
@@ -98,7 +110,17 @@ class RunManager:
         run = self.get(run_id)
         run.stop.set()
         log.info("stop requested for run %s: %s", run_id, reason or "no reason given")
-        return run.status
+        return self.status(run_id)
+
+
+class RunStartError(Exception):
+    """The run was accepted but its engine could not be built (e.g. its privacy budget allows no round)."""
+
+
+def _copy(status: control_pb2.RunStatus) -> control_pb2.RunStatus:
+    out = control_pb2.RunStatus()
+    out.CopyFrom(status)
+    return out
 
 
 class RunControlServicer(control_pb2_grpc.RunControlServicer):
@@ -112,6 +134,8 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid experiment config: {err}")
         try:
             return self.manager.start(config, request.run_id)
+        except RunStartError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"run cannot start: {err}")
         except RuntimeError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except KeyError as err:
@@ -119,7 +143,7 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
 
     def GetRun(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):
         try:
-            return self.manager.get(request.run_id).status
+            return self.manager.status(request.run_id)
         except KeyError as err:
             context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
 

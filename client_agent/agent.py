@@ -103,11 +103,10 @@ class Agent:
         while not self.stop.wait(getattr(self, "heartbeat_interval", 5.0)):
             if not self.agent_id:
                 continue
+            sent_for = self.agent_id
             try:
-                reply = self.stub.Heartbeat(
-                    federation_pb2.HeartbeatRequest(agent_id=self.agent_id), timeout=SHORT_DEADLINE
-                )
-                if not reply.known:
+                reply = self.stub.Heartbeat(federation_pb2.HeartbeatRequest(agent_id=sent_for), timeout=SHORT_DEADLINE)
+                if not reply.known and self.agent_id == sent_for:  # a late answer must not undo a newer registration
                     self.agent_id = ""  # the poll loop re-registers
             except grpc.RpcError:
                 pass  # the poll loop handles reconnection

@@ -75,6 +75,7 @@ class LocalCluster:
             text=True,
             env=env,
         )
+        log_file.close()  # the child holds its own descriptor
         child = Child(name, process, log_path)
         self.children.append(child)
         if announce and wait:

@@ -175,6 +175,21 @@ def check_result(result: ClientResult) -> None:
             raise codec.CodecError("num_samples must be >= 1 for an evaluation result")
 
 
+def check_against_task(result: ClientResult, task: federation_pb2.Task) -> None:
+    """The payloads a strategy will read must be exactly those the task asked for, so one client's missing or extra
+    tensor is refused here instead of failing the whole round's aggregation."""
+    expected: set[int] = set()
+    if task.phase == TRAIN:
+        expected = {UPDATE} | ({FIRST_STEP_UPDATE} if task.train.record_first_step else set())
+    elif task.phase == PROBE and task.probe.want_gradient:
+        expected = {GRADIENT}
+    got = set(result.payloads)
+    if got != expected:
+        names = sorted(federation_pb2.PayloadKind.Name(k) for k in expected) or ["none"]
+        sent = sorted(federation_pb2.PayloadKind.Name(k) for k in got) or ["none"]
+        raise codec.CodecError(f"the task asks for payloads {', '.join(names)}; the result has {', '.join(sent)}")
+
+
 def _small_vector(header: federation_pb2.ResultHeader, field_name: str) -> np.ndarray | None:
     if not header.HasField(field_name):
         return None

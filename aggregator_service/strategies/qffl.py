@@ -73,7 +73,10 @@ class QFFL(Strategy):
         if ctx.train_config.HasField("dp"):
             # DP-q-FFL: F_k must be a DP release, so the client's noisy loss F̃_k (of its updated model, on an
             # independent Poisson batch) stands in for F_k(x_t); negative noise is clamped (post-processing).
-            losses = np.array([max(r.noisy_loss, 0.0) for r in results], dtype=np.float64)
+            # A client that released no loss (NaN) gets F = 0, i.e. no q-FFL weight, rather than failing the round.
+            losses = np.array(
+                [max(r.noisy_loss, 0.0) if math.isfinite(r.noisy_loss) else 0.0 for r in results], dtype=np.float64
+            )
         else:
             losses = np.array([r.loss_before for r in results], dtype=np.float64)
         # One scalar per client (a loop over clients): ‖Δ_k‖² accumulated in float64.

@@ -79,3 +79,21 @@ def test_second_copy_of_an_accepted_result_is_a_duplicate() -> None:
         _submit(state, layout, _task(1), agent_id)
     assert transport.refused_after_close(1) == (0, 1)
     assert state.counters["accepted"] == 1 and state.counters["duplicate"] == 1
+
+
+def test_reregistering_agent_inherits_its_queued_tasks() -> None:
+    state, transport, layout, old_id = _setup()
+    results: list = []
+    worker = threading.Thread(target=lambda: results.append(transport.execute([_task(0)], timeout=5.0)))
+    worker.start()
+    for _ in range(100):  # wait until the task is queued for the old registration
+        with state.lock:
+            if state.agents[old_id].queue:
+                break
+        threading.Event().wait(0.01)
+    new = state.register("a", [0, 1], "cpu")  # the agent reconnected and registered again
+    assert old_id not in state.agents, "an agent left without clients is forgotten"
+    (task,) = state.poll(new.agent_id, 4, 1.0)
+    _submit(state, layout, task, new.agent_id)
+    worker.join()
+    assert [r.client_id for r in results[0].results] == [0]
