@@ -25,6 +25,7 @@ from client_agent.trainer import build_global_model
 from fairfl.config import ExperimentConfig
 from fairfl.metrics.fairness import fairness_report
 from fairfl.params import ParamLayout, flatten_parameters
+from fairfl.privacy import dp_seed
 from fairfl.protocol import EVALUATE, ClientResult
 from fairfl.v1 import common_pb2, control_pb2, federation_pb2, tensor_pb2
 
@@ -55,8 +56,7 @@ def task_seed(run_seed: int, round_number: int, client_id: int) -> int:
     Every phase of the round shares it, so a probe's gradient batch is the first batch of the same round's training,
     and a strategy that adds a probe phase trains on exactly the batches it would have trained on without one.
     """
-    words = np.random.SeedSequence([run_seed, round_number, client_id]).generate_state(2, np.uint32)
-    return int(words[0]) << 31 | int(words[1]) >> 1
+    return dp_seed("task", run_seed, round_number, client_id)
 
 
 @dataclass
@@ -142,6 +142,7 @@ class RoundEngine:
             config.strategy.name, config.strategy.params, config.strategy.server_lr
         )
         self.round = 0
+        self._published: tuple[torch.Tensor, tensor_pb2.BlobRef] | None = None
         # DP runs: DP-SGD settings in every TRAIN task, per-client loss clip bounds, client-level aggregation.
         self.dp = DpController(config, dp_randomness) if config.privacy.enabled else None
 
@@ -180,6 +181,12 @@ class RoundEngine:
             return RunSummary(self.run_id, control_pb2.RUN_STATE_FAILED, self.round - 1, self.params, str(err))
         finally:
             self.transport.end_run(self.run_id)
+
+    def _publish_params(self) -> tensor_pb2.BlobRef:
+        """Publish the global model once per version: evaluation, the round's sha256 and the next round reuse it."""
+        if self._published is None or self._published[0] is not self.params:
+            self._published = (self.params, self.transport.publish(self.params))
+        return self._published[1]
 
     def _run_clients(self) -> list[int]:
         """Reachable clients of this run: agents may host more ids than the run's data.num_clients."""
@@ -231,7 +238,7 @@ class RoundEngine:
     def _run_round(self, round_number: int) -> None:
         cfg = self.config
         started = time.monotonic()
-        model_ref = self.transport.publish(self.params)
+        model_ref = self._publish_params()
         candidates = self._run_clients()
         count = min(cfg.selection.clients_per_round, len(candidates))
         if count == 0:
@@ -302,12 +309,12 @@ class RoundEngine:
         late, duplicate = self.transport.refused_after_close(round_number)
         event.results_late += late
         event.results_rejected += duplicate
-        event.model_sha256 = self.layout.encode(self.params).sha256
+        event.model_sha256 = self._publish_params().sha256
         event.duration_seconds = time.monotonic() - started
         self.on_event(control_pb2.RunEvent(run_id=self.run_id, round=event))
 
     def _evaluate(self, round_number: int, event: control_pb2.RoundEvent) -> None:
-        ref = self.transport.publish(self.params)
+        ref = self._publish_params()
         clients = self._run_clients()
         tasks = self._tasks(
             round_number, 99, EVALUATE, clients, ref, lambda t: t.evaluate.CopyFrom(federation_pb2.EvaluateConfig())
