@@ -11,7 +11,9 @@ Record-level events per selected client and round, with K = training.local_steps
   gradient_only: GRADIENT(q, σ, K)                       the paper's parity accounting (the loss is still released)
   joint_batch:   JOINT(q, σ_eff, 1) + GRADIENT(q, σ, K−1) the loss on the last gradient batch (§2.6 b),
                  σ_eff = (σ⁻² + σ_l⁻²)^(−1/2)
-Client-level (principal federation): MODEL(m/N, σ, 1) for the principal "federation".
+Client-level (principal federation): MODEL(m/n, σ, 1) for the principal "federation", with m clients drawn uniformly
+from the n live candidates of the round (not the configured population: when agents drop, each remaining client is
+more likely to be drawn, and the accountant must see that larger q).
 """
 
 from __future__ import annotations
@@ -46,15 +48,21 @@ def effective_noise_multiplier(sigma: float, sigma_l: float) -> float:
     return (sigma**-2 + sigma_l**-2) ** -0.5
 
 
-def client_level_sample_rate(config: ExperimentConfig) -> float:
-    return config.selection.clients_per_round / config.data.num_clients
+def client_level_sample_rate(selected: int, population: int) -> float:
+    """Each live candidate's chance of being drawn: `selected` of `population` uniformly without replacement."""
+    if population < 1 or not 0 < selected <= population:
+        raise ValueError(f"cannot sample {selected} of {population} candidates")
+    return selected / population
 
 
-def principal_events(config: ExperimentConfig, principal: str) -> list[Event]:
-    """One principal's events for one round (see the module docstring)."""
+def principal_events(config: ExperimentConfig, principal: str, population: int | None = None) -> list[Event]:
+    """One principal's events for one round (see the module docstring). `population` is the number of live candidates
+    the round's clients were drawn from (client-level DP only; None = all configured clients)."""
     p = config.privacy
     if p.principal == "federation":
-        return [Event(FEDERATION, "model", client_level_sample_rate(config), p.noise_multiplier, 1)]
+        n = config.data.num_clients if population is None else population
+        q = client_level_sample_rate(min(config.selection.clients_per_round, n), n)
+        return [Event(FEDERATION, "model", q, p.noise_multiplier, 1)]
     steps = config.training.budget()[1]
     q, sigma, sigma_l = p.sample_rate, p.noise_multiplier, p.loss_noise_multiplier
     if p.mode == "joint_batch":
@@ -68,13 +76,15 @@ def principal_events(config: ExperimentConfig, principal: str) -> list[Event]:
     return events
 
 
-def round_events(config: ExperimentConfig, selected: Sequence[int]) -> list[Event]:
+def round_events(config: ExperimentConfig, selected: Sequence[int], population: int) -> list[Event]:
     """The events a round spends: none for a non-private run; per selected client (record-level) or one for the
-    federation (client-level). Planned before dispatch, so a crash can over-count a round but never under-count."""
+    federation (client-level, q = selected / population, the live candidates drawn from). Planned before dispatch, so
+    a crash can over-count a round but never under-count."""
     if not config.privacy.enabled:
         return []
     if config.privacy.principal == "federation":
-        return principal_events(config, FEDERATION)
+        q = client_level_sample_rate(len(selected), population)
+        return [Event(FEDERATION, "model", q, config.privacy.noise_multiplier, 1)]
     return [e for cid in sorted(selected) for e in principal_events(config, str(cid))]
 
 
@@ -151,6 +161,7 @@ class DpController:
                 grad_normalizer=_NORMALIZERS[p.grad_normalizer],  # type: ignore[arg-type]
                 fixed_batch=p.fixed_batch,
                 shared_loss_batch=p.mode == "joint_batch",
+                plaintext_telemetry=p.plaintext_telemetry,
             )
         )
 

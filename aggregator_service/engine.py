@@ -101,8 +101,10 @@ class PrivacyGate(Protocol):
     def start(self, run_id: str, config: ExperimentConfig) -> None: ...
 
     def authorize_round(
-        self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int]
-    ) -> float: ...
+        self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int], population: int
+    ) -> float:
+        """Record the round's events (`selected` drawn from `population` live candidates); the ε spent so far."""
+        ...
 
 
 class RunStopped(Exception):
@@ -245,7 +247,7 @@ class RoundEngine:
             raise RuntimeError("no clients available")
         selected = sorted(self.selector.select(self.run_id, round_number, candidates, count, cfg.seed))
         # Records this round's privacy events before any task leaves; a refusal stops the run (RunStopped).
-        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected)
+        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected, len(candidates))
         ctx = RoundContext(
             self.run_id,
             round_number,
@@ -301,8 +303,9 @@ class RoundEngine:
             self.params = outcome_agg.params
             event.aggregation_weights.extend(outcome_agg.weights[c] for c in sorted(outcome_agg.weights))
             event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome_agg.metrics.items())
-            losses = [r.metrics.get("train_loss", math.nan) for r in phases[-1]]
-            event.mean_train_loss = float(np.nanmean(losses)) if losses else math.nan
+            # DP clients withhold train_loss unless plaintext telemetry was asked for: mean over those that sent it.
+            losses = [r.metrics["train_loss"] for r in phases[-1] if "train_loss" in r.metrics]
+            event.mean_train_loss = float(np.mean(losses)) if losses else math.nan
         last = round_number == cfg.rounds or (self.dp is not None and round_number == self.dp.last_round)
         if round_number % cfg.evaluation.every == 0 or last:
             self._evaluate(round_number, event)

@@ -107,7 +107,9 @@ class RemotePrivacy:
     def start(self, run_id: str, config: ExperimentConfig) -> None:
         self._call(self.stub.RegisterBudget, _budget_request(run_id, config))
 
-    def authorize_round(self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int]) -> float:
+    def authorize_round(
+        self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int], population: int
+    ) -> float:
         events = [
             privacy_pb2.PrivacyEvent(
                 principal=e.principal,
@@ -116,7 +118,7 @@ class RemotePrivacy:
                 noise_multiplier=e.noise_multiplier,
                 count=e.count,
             )
-            for e in round_events(config, selected)
+            for e in round_events(config, selected, population)
         ]
         request = privacy_pb2.AuthorizeRoundRequest(run_id=run_id, round=round_number, events=events)
         try:
@@ -141,11 +143,14 @@ class LocalPrivacy:
     def start(self, run_id: str, config: ExperimentConfig) -> None:
         self.ledger.register_budget(run_budget(run_id, config))
 
-    def authorize_round(self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int]) -> float:
+    def authorize_round(
+        self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int], population: int
+    ) -> float:
         from privacy_service.ledger import BudgetExceeded
 
         try:
-            return self.ledger.authorize_round(run_id, round_number, round_events(config, selected)).max_epsilon
+            events = round_events(config, selected, population)
+            return self.ledger.authorize_round(run_id, round_number, events).max_epsilon
         except BudgetExceeded as err:
             raise _budget_exhausted(str(err)) from err
 

@@ -88,6 +88,8 @@ class DpPolicy:
         steps = task.train.local_steps if task.train.WhichOneof("budget") == "local_steps" else 0
         if task.train.WhichOneof("budget") != "local_steps":
             problems.append("DP-SGD needs local_steps (epochs are not Poisson steps)")
+        if dp.plaintext_telemetry:
+            problems.append("plaintext_telemetry asks for noiseless training losses (experiment-only telemetry)")
         elif self.max_local_steps and steps > self.max_local_steps:
             problems.append(f"local_steps {steps} > policy maximum {self.max_local_steps}")
         if problems:

@@ -215,7 +215,10 @@ class ClientRuntime:
         model = self.model
         n = len(c.y_train)
         batch = min(cfg.batch_size, n)
-        out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)  # telemetry, not private
+        # Noiseless training losses leave only as opted-in experiment telemetry (not private); otherwise NaN = withheld.
+        telemetry = dp.plaintext_telemetry
+        if telemetry:
+            out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
         seeds = [dp_seed(self.dp_randomness, task.seed, purpose) for purpose in range(4)]
         sample_gen, noise_gen, loss_sample_gen, loss_noise_gen = (torch.Generator().manual_seed(s) for s in seeds)
 
@@ -261,9 +264,9 @@ class ClientRuntime:
                 loss_noise_gen,
             )
             out.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)
-        out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)  # telemetry, not private
-        # Telemetry for experiments, computed from private data without noise (like loss_before/after).
-        out.metrics["train_loss"] = loss_sum / max(sampled, 1)
+        if telemetry:
+            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+            out.metrics["train_loss"] = loss_sum / max(sampled, 1)
         out.metrics["local_steps"] = float(cfg.local_steps)
         out.metrics["lr"] = cfg.lr
 
@@ -352,4 +355,7 @@ def load_run_data(config: ExperimentConfig) -> FederatedData:
         test_per_client=d.test_per_client,
         synthetic_alpha=d.synthetic_alpha,
         synthetic_beta=d.synthetic_beta,
+        group_sizes=d.group_sizes,
+        group_classes=d.group_classes,
+        samples_per_class=d.samples_per_class,
     )

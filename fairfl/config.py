@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 
 
 DEFAULT_LOCAL_STEPS = 10
+DATASET_CLASSES = {"fashion_mnist": 10, "mnist": 10, "cifar10": 10, "synthetic": 10}
 Scalar = bool | int | float | str  # tried in this order: 3 stays an int, true stays a bool
 
 
@@ -30,16 +31,60 @@ class DataConfig:
     root: str | None = None
     download: bool = False
     num_clients: int = 100
-    partition: Literal["iid", "shards", "dirichlet"] = "shards"
+    partition: Literal["iid", "shards", "dirichlet", "label_groups"] = "shards"
     shards_per_client: int = 2
     alpha: float = 0.5
     min_size: int = 10
     test_per_client: int | None = None
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
+    # Grouped partitions (fairfl.data.groups): clients per ground-truth group, contiguous ids, group 0 first.
+    group_sizes: list[int] = field(default_factory=list)
+    # label_groups (Equitable-FL): classes per group, disjoint and in class-index order, and each client's samples of
+    # each of its group's classes (None = the class split equally among the group's clients).
+    group_classes: list[int] = field(default_factory=list)
+    samples_per_class: int | None = None
 
     def validate(self, path: str) -> None:
+        from fairfl.data.groups import GROUPED_PARTITIONS
+
         _at_least(self.num_clients, 1, f"{path}.num_clients")
+        for i, size in enumerate(self.group_sizes):
+            _at_least(size, 1, f"{path}.group_sizes[{i}]")
+        if self.partition in GROUPED_PARTITIONS:
+            if self.dataset == "synthetic":
+                raise ConfigError(f"{path}.partition: {self.partition} does not apply to synthetic (its own split)")
+            if sum(self.group_sizes) != self.num_clients:
+                raise ConfigError(
+                    f"{path}.group_sizes: {self.group_sizes} hold {sum(self.group_sizes)} clients, "
+                    f"num_clients is {self.num_clients}"
+                )
+        elif self.group_sizes:
+            raise ConfigError(
+                f"{path}.group_sizes: only for grouped partitions ({', '.join(GROUPED_PARTITIONS)}), "
+                f"not {self.partition!r}"
+            )
+        if self.partition == "label_groups":
+            if len(self.group_classes) != len(self.group_sizes):
+                raise ConfigError(
+                    f"{path}.group_classes: one class count per group, got {len(self.group_classes)} for "
+                    f"{len(self.group_sizes)} groups"
+                )
+            for i, count in enumerate(self.group_classes):
+                _at_least(count, 1, f"{path}.group_classes[{i}]")
+            classes = DATASET_CLASSES.get(self.dataset)
+            if classes is not None and sum(self.group_classes) > classes:
+                raise ConfigError(
+                    f"{path}.group_classes: {self.group_classes} need {sum(self.group_classes)} classes, "
+                    f"{self.dataset} has {classes}"
+                )
+            if self.samples_per_class is not None:
+                _at_least(self.samples_per_class, 1, f"{path}.samples_per_class")
+        else:
+            if self.group_classes:
+                raise ConfigError(f"{path}.group_classes: applies to partition label_groups only")
+            if self.samples_per_class is not None:
+                raise ConfigError(f"{path}.samples_per_class: applies to partition label_groups only")
         _at_least(self.shards_per_client, 1, f"{path}.shards_per_client")
         _positive(self.alpha, f"{path}.alpha")
         _at_least(self.min_size, 0, f"{path}.min_size")
@@ -167,6 +212,8 @@ class PrivacyConfig:
     `clip_norm`, noise `noise_multiplier`) and releases a noisy loss (σ_l = `loss_noise_multiplier`, 0 = none).
     principal `federation`: client-level DP-FedAvg, q = clients_per_round / num_clients, updates clipped to
     `clip_norm`, server noise `noise_multiplier`·clip_norm. `mode` chooses what the ledger accounts (§2.4–2.6).
+    `plaintext_telemetry` (experiments only, not private): record-level clients also report their noiseless training
+    losses, which the paper's Ψ is computed from (spec §5, §9.13); agents with a DP policy refuse such tasks.
     """
 
     enabled: bool = False
@@ -184,6 +231,7 @@ class PrivacyConfig:
     loss_clip_min: float = 0.1
     grad_normalizer: Literal["expected", "realized", "fixed"] = "expected"
     fixed_batch: int = 64
+    plaintext_telemetry: bool = False
 
     def validate(self, path: str) -> None:
         if not self.enabled:
@@ -254,6 +302,13 @@ class ExperimentConfig:
                 raise ConfigError(f"strategy.name: privacy.principal federation (DP-FedAvg) needs fedavg, got {name!r}")
             if self.strategy.params.get("server_momentum", 0):
                 raise ConfigError("strategy.params.server_momentum: must be 0 with privacy.principal federation")
+            if self.selection.method not in ("random", "full"):
+                # The accountant's q is each client's chance of being drawn; only uniform sampling gives every live
+                # client the same chance, selected / live candidates.
+                raise ConfigError(
+                    f"selection.method: privacy.principal federation needs uniform sampling (random or full), "
+                    f"got {self.selection.method!r}"
+                )
             return
         if self.training.local_epochs is not None:
             raise ConfigError(

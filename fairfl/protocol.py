@@ -151,15 +151,16 @@ def check_result(result: ClientResult) -> None:
     if result.phase in (TRAIN, PROBE):
         if result.num_samples < 1:
             raise codec.CodecError("num_samples must be >= 1 for a training or probe result")
-        if not math.isfinite(result.loss_before):
-            raise codec.CodecError(f"loss_before must be a finite number, got {result.loss_before}")
-        if result.loss_before < 0:
-            raise codec.CodecError(f"loss_before must be >= 0, got {result.loss_before}")
+        # NaN = withheld (DP training without plaintext telemetry); check_against_task says when a loss is owed.
+        for name in ("loss_before", "loss_after"):
+            value = getattr(result, name)
+            if math.isinf(value) or value < 0:
+                raise codec.CodecError(f"{name} must be a finite number >= 0, got {value}")
+        if result.phase == PROBE and math.isnan(result.loss_before):
+            raise codec.CodecError("loss_before must be a finite number >= 0 in a probe result, got nan")
     if result.phase == TRAIN:
         if UPDATE not in result.payloads:
             raise codec.CodecError("a training result must carry an UPDATE payload")
-        if not math.isfinite(result.loss_after) or result.loss_after < 0:
-            raise codec.CodecError(f"loss_after must be a finite number >= 0, got {result.loss_after}")
         if math.isinf(result.noisy_loss):  # NaN = no loss released; a release is any finite number (noise may be < 0)
             raise codec.CodecError(f"noisy_loss must be finite when released, got {result.noisy_loss}")
     if result.phase == PROBE and result.payloads.keys() - {GRADIENT}:
@@ -188,6 +189,15 @@ def check_against_task(result: ClientResult, task: federation_pb2.Task) -> None:
         names = sorted(federation_pb2.PayloadKind.Name(k) for k in expected) or ["none"]
         sent = sorted(federation_pb2.PayloadKind.Name(k) for k in got) or ["none"]
         raise codec.CodecError(f"the task asks for payloads {', '.join(names)}; the result has {', '.join(sent)}")
+    if task.phase == TRAIN and losses_owed(task.train):
+        for name in ("loss_before", "loss_after"):
+            if math.isnan(getattr(result, name)):
+                raise codec.CodecError(f"{name} is missing (nan); the task asks for the training losses")
+
+
+def losses_owed(train: federation_pb2.LocalTrainingConfig) -> bool:
+    """Whether a TRAIN result must carry loss_before/loss_after: always, except DP-SGD without plaintext telemetry."""
+    return not train.HasField("dp") or train.dp.plaintext_telemetry
 
 
 def _small_vector(header: federation_pb2.ResultHeader, field_name: str) -> np.ndarray | None:

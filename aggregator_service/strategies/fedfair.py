@@ -12,7 +12,9 @@ fair clipping coefficient min(max(1 + λΔ_i^j, 0), C/‖g‖) (Eq. 15) and F is
 This module also owns `loss_metrics`, the Ψ telemetry every baseline reports (spec §9.13 asks for both forms):
   psi        = Σ p_i (F_i(x_{t,K}^i) − F)², local models' losses (loss_after), the paper tables' Ψ;
   psi_before = Σ p_i (F_i(x_t) − F)², the global model's losses (loss_before), Eq. 7 at x_t;
-with p_i = n_i / Σ n over the round's clients and F the p-weighted mean of the same losses.
+  psi_noisy  = the same over the clients' noisy loss releases F̃_i (DP runs; post-processing, so always private);
+with p_i = n_i / Σ n over the round's clients and F the p-weighted mean of the same losses. A form whose losses were
+withheld (DP training without privacy.plaintext_telemetry) or not released by any client is left out, not NaN.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from fairfl.v1 import federation_pb2
 
 def loss_metrics(results: Sequence[ClientResult], weights: Sequence[float] | None = None) -> dict[str, float]:
     """Ψ over the round's clients (sample-weighted, see the module docstring) and, if given, the weights' entropy."""
-    samples = [r.num_samples for r in results]
-    metrics = {
-        "psi": psi([r.loss_after for r in results], samples),
-        "psi_before": psi([r.loss_before for r in results], samples),
-    }
+    metrics = {}
+    for key, field_name in (("psi", "loss_after"), ("psi_before", "loss_before"), ("psi_noisy", "noisy_loss")):
+        reported = [(getattr(r, field_name), r.num_samples) for r in results if math.isfinite(getattr(r, field_name))]
+        if reported:  # over the clients that reported this loss, p renormalised among them
+            metrics[key] = psi([v for v, _ in reported], [n for _, n in reported])
     if weights is not None and sum(weights) > 0:
         metrics["weight_entropy"] = weight_entropy(weights)
     return metrics
@@ -104,7 +106,6 @@ class FedFair(Strategy):
             if released:  # a client that released no loss is left out, p renormalised over the others
                 mass = math.fsum(w for w, _ in released)
                 self.global_loss = math.fsum(w * f for w, f in released) / mass
-                metrics["psi_noisy"] = psi([f for _, f in released], [w for w, _ in released])
         else:
             # Alg. 1 line 8: F(w_{t+1}) = Σ p_i F_i(w_{t+1}^i), the post-training losses.
             self.global_loss = math.fsum(w * r.loss_after for w, r in zip(weights, results, strict=True))

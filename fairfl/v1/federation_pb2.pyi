@@ -130,7 +130,7 @@ class FairStep(_message.Message):
     def __init__(self, global_loss: _Optional[float] = ..., fair_lambda: _Optional[float] = ...) -> None: ...
 
 class DpSgd(_message.Message):
-    __slots__ = ("sample_rate", "noise_multiplier", "clip_norm", "fair_lambda", "loss_noise_multiplier", "loss_clip", "loss_clip_min", "grad_normalizer", "fixed_batch", "shared_loss_batch")
+    __slots__ = ("sample_rate", "noise_multiplier", "clip_norm", "fair_lambda", "loss_noise_multiplier", "loss_clip", "loss_clip_min", "grad_normalizer", "fixed_batch", "shared_loss_batch", "plaintext_telemetry")
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class DpSgd(_message.Message):
     GRAD_NORMALIZER_FIELD_NUMBER: _ClassVar[int]
     FIXED_BATCH_FIELD_NUMBER: _ClassVar[int]
     SHARED_LOSS_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PLAINTEXT_TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     sample_rate: float
     noise_multiplier: float
     clip_norm: float
@@ -151,7 +152,8 @@ class DpSgd(_message.Message):
     grad_normalizer: GradNormalizer
     fixed_batch: int
     shared_loss_batch: bool
-    def __init__(self, sample_rate: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., fair_lambda: _Optional[float] = ..., loss_noise_multiplier: _Optional[float] = ..., loss_clip: _Optional[float] = ..., loss_clip_min: _Optional[float] = ..., grad_normalizer: _Optional[_Union[GradNormalizer, str]] = ..., fixed_batch: _Optional[int] = ..., shared_loss_batch: _Optional[bool] = ...) -> None: ...
+    plaintext_telemetry: bool
+    def __init__(self, sample_rate: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., fair_lambda: _Optional[float] = ..., loss_noise_multiplier: _Optional[float] = ..., loss_clip: _Optional[float] = ..., loss_clip_min: _Optional[float] = ..., grad_normalizer: _Optional[_Union[GradNormalizer, str]] = ..., fixed_batch: _Optional[int] = ..., shared_loss_batch: _Optional[bool] = ..., plaintext_telemetry: _Optional[bool] = ...) -> None: ...
 
 class LocalTrainingConfig(_message.Message):
     __slots__ = ("local_steps", "local_epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "prox_mu", "alignment", "fair_step", "dp", "record_first_step", "want_bias_update", "want_activation", "loss_eval_batches")

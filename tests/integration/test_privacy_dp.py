@@ -50,7 +50,8 @@ def dp_config(rounds: int = ROUNDS, **privacy: Any) -> ExperimentConfig:
 def uninterrupted_epsilon(config: ExperimentConfig, rounds: int) -> float:
     """ε of one client after `rounds` uninterrupted rounds, from the accountant directly."""
     specs = [
-        accountant.EventSpec(e.sample_rate, e.noise_multiplier, e.count * rounds) for e in round_events(config, [0])
+        accountant.EventSpec(e.sample_rate, e.noise_multiplier, e.count * rounds)
+        for e in round_events(config, [0], config.data.num_clients)
     ]
     return accountant.epsilon(specs, config.privacy.delta)[0]
 
@@ -117,7 +118,7 @@ def test_privacy_service_killed_mid_run_loses_nothing_and_counts_nothing_twice(
                         noise_multiplier=e.noise_multiplier,
                         count=e.count,
                     )
-                    for e in round_events(config, list(range(6)))
+                    for e in round_events(config, list(range(6)), 6)
                 ],
             )
             again = stub.AuthorizeRound(request, timeout=10)

@@ -92,7 +92,7 @@ def test_privacy_config_errors_name_the_field(over: dict[str, Any], message: str
 
 def test_disabled_privacy_is_not_validated() -> None:
     cfg = experiment_from_dict(dp_config(**{"privacy.enabled": False, "privacy.delta": 7.0, "strategy.name": "afl"}))
-    assert not cfg.privacy.enabled and round_events(cfg, [0, 1]) == []
+    assert not cfg.privacy.enabled and round_events(cfg, [0, 1], 10) == []
     assert run_budget("r", cfg).principal_kind == "none"
 
 
@@ -101,23 +101,27 @@ def test_disabled_privacy_is_not_validated() -> None:
 
 def test_round_events_per_mode() -> None:
     theorem3 = experiment_from_dict(dp_config(**{"training.local_steps": 3}))
-    assert round_events(theorem3, [2, 0]) == [
+    assert round_events(theorem3, [2, 0], 10) == [
         Event("0", "gradient", 0.1, 1.5, 3),
         Event("0", "loss", 0.1, 5.0, 1),
         Event("2", "gradient", 0.1, 1.5, 3),
         Event("2", "loss", 0.1, 5.0, 1),
     ]
     grad_only = experiment_from_dict(dp_config(**{"privacy.mode": "gradient_only"}))
-    assert round_events(grad_only, [1]) == [Event("1", "gradient", 0.1, 1.5, 1)]
+    assert round_events(grad_only, [1], 10) == [Event("1", "gradient", 0.1, 1.5, 1)]
     joint = experiment_from_dict(dp_config(**{"privacy.mode": "joint_batch", "training.local_steps": 2}))
     sigma_eff = effective_noise_multiplier(1.5, 5.0)
-    assert round_events(joint, [1]) == [Event("1", "joint", 0.1, sigma_eff, 1), Event("1", "gradient", 0.1, 1.5, 1)]
+    assert round_events(joint, [1], 10) == [Event("1", "joint", 0.1, sigma_eff, 1), Event("1", "gradient", 0.1, 1.5, 1)]
     assert effective_noise_multiplier(2.0, 5.0) == pytest.approx(1.856953, abs=1e-6)  # spec §2.6 (b)
     fed = experiment_from_dict(
         dp_config(**{"privacy.principal": "federation", "strategy.name": "fedavg", "selection.method": "random"})
     )
     fed.selection.clients_per_round = 2
-    assert round_events(fed, [0, 3]) == [Event("federation", "model", 0.5, 1.5, 1)]
+    assert round_events(fed, [0, 3], 4) == [Event("federation", "model", 0.5, 1.5, 1)]
+    # Agents dropped: 2 drawn from the 3 live candidates, so each live client's chance (the accountant's q) is 2/3.
+    assert round_events(fed, [0, 3], 3) == [Event("federation", "model", 2 / 3, 1.5, 1)]
+    with pytest.raises(ValueError, match="cannot sample 2 of 1 candidates"):
+        round_events(fed, [0, 3], 1)
     budget = run_budget("r", fed)
     assert (budget.principal_kind, budget.epsilon, budget.delta) == ("federation", 8.0, 1e-5)
 
@@ -136,7 +140,7 @@ def test_affordable_rounds_match_the_spec_vectors() -> None:
 
 def budget_for_exactly(config: Any, rounds: int) -> float:
     """An ε strictly between what `rounds` and `rounds + 1` rounds of the config's events spend."""
-    specs = [accountant.EventSpec(e.sample_rate, e.noise_multiplier, e.count) for e in round_events(config, [0])]
+    specs = [accountant.EventSpec(e.sample_rate, e.noise_multiplier, e.count) for e in round_events(config, [0], 10)]
 
     def eps(t: int) -> float:
         return accountant.epsilon([accountant.EventSpec(q, s, n * t) for q, s, n in specs], config.privacy.delta)[0]
@@ -171,13 +175,13 @@ def test_remote_privacy_enforces_and_replays(tmp_path: Path) -> None:
         gate = RemotePrivacy(f"127.0.0.1:{server.port}")
         gate.start("r", config)
         gate.start("r", config)  # idempotent
-        first = gate.authorize_round("r", 1, config, [0, 1, 2, 3])
-        assert gate.authorize_round("r", 1, config, [0, 1, 2, 3]) == first  # a retried call: replay, nothing added
-        gate.authorize_round("r", 2, config, [0, 1, 2, 3])
+        first = gate.authorize_round("r", 1, config, [0, 1, 2, 3], 4)
+        assert gate.authorize_round("r", 1, config, [0, 1, 2, 3], 4) == first  # a retried call: replay, nothing added
+        gate.authorize_round("r", 2, config, [0, 1, 2, 3], 4)
         from aggregator_service.engine import RunStopped
 
         with pytest.raises(RunStopped, match="privacy budget exhausted: round 3 of run 'r' refused"):
-            gate.authorize_round("r", 3, config, [0, 1, 2, 3])
+            gate.authorize_round("r", 3, config, [0, 1, 2, 3], 4)
         assert server.ledger is not None and server.ledger.rounds_recorded("r") == 2
         gate.channel.close()
     finally:
@@ -220,9 +224,14 @@ def test_noisy_losses_feed_fedfdp_and_the_next_bounds() -> None:
     summary, rounds, _ = run_inprocess(experiment_from_dict(dp_config()))
     assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
     metrics = [{m.name: m.value for m in r.strategy_metrics} for r in rounds]
-    assert all({"global_loss", "psi", "psi_noisy"} <= set(m) for m in metrics)
+    # Without plaintext telemetry only the private forms are reported: no Ψ of noiseless losses, no train loss.
+    assert all({"global_loss", "psi_noisy"} <= set(m) and not {"psi", "psi_before"} & set(m) for m in metrics)
+    assert all(math.isnan(r.mean_train_loss) for r in rounds)
     assert len({m["global_loss"] for m in metrics}) == 3  # F = Σ p_i F̃_i moves every round
     assert rounds[-1].evaluated
+    summary_t, rounds_t, _ = run_inprocess(experiment_from_dict(dp_config(**{"privacy.plaintext_telemetry": True})))
+    assert torch.equal(summary_t.final_params, summary.final_params)  # telemetry does not change the run
+    assert all({"psi", "psi_before", "psi_noisy"} <= {m.name for m in r.strategy_metrics} for r in rounds_t)
 
 
 def test_fedfdp_with_lambda_zero_is_dp_fedavg_bit_for_bit() -> None:
@@ -238,7 +247,7 @@ def test_dp_baselines_run(strategy: str) -> None:
     summary, rounds, privacy = run_inprocess(experiment_from_dict(dp_config(**{"strategy.name": strategy})))
     assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
     assert privacy.ledger.rounds_recorded("run") == 3 and rounds[-1].epsilon_spent > 0
-    assert "psi" in {m.name for m in rounds[-1].strategy_metrics}
+    assert "psi_noisy" in {m.name for m in rounds[-1].strategy_metrics}
 
 
 def test_gradient_only_and_joint_modes_account_as_configured() -> None:

@@ -13,12 +13,13 @@ from scipy import stats
 from client_agent import dp_sgd
 from client_agent.dp_sgd import DpPolicy, PolicyRefusal
 from client_agent.trainer import ClientRuntime
+from fairfl.codec import CodecError
 from fairfl.config import experiment_from_dict
 from fairfl.data.datasets import ArrayDataset
 from fairfl.data.federated import FederatedData
 from fairfl.models import build_model
 from fairfl.params import flatten_parameters
-from fairfl.protocol import TRAIN, UPDATE
+from fairfl.protocol import TRAIN, UPDATE, check_against_task
 from fairfl.v1 import federation_pb2
 
 C = 0.5
@@ -289,6 +290,19 @@ def test_loss_clip_floor_applies() -> None:
     assert runtime.run(task).metrics["loss_clip"] == 0.1
 
 
+def test_noiseless_losses_leave_only_as_opted_in_telemetry() -> None:
+    runtime = synthetic_runtime()
+    private = runtime.run(dp_task())
+    assert math.isnan(private.loss_before) and math.isnan(private.loss_after) and "train_loss" not in private.metrics
+    check_against_task(private, dp_task())  # withheld losses are what a DP task without telemetry expects
+    opted_in = dp_task(plaintext_telemetry=True)
+    telemetry = runtime.run(opted_in)
+    assert min(telemetry.loss_before, telemetry.loss_after, telemetry.metrics["train_loss"]) > 0
+    assert torch.equal(telemetry.payloads[UPDATE], private.payloads[UPDATE])  # telemetry does not change training
+    with pytest.raises(CodecError, match="loss_before is missing"):
+        check_against_task(private, opted_in)
+
+
 def test_without_loss_release_there_is_no_noisy_loss() -> None:
     result = synthetic_runtime().run(dp_task(loss_noise_multiplier=0.0))
     assert math.isnan(result.noisy_loss) and "loss_clip" not in result.metrics
@@ -305,6 +319,7 @@ def test_policy_refuses_weaker_tasks_and_names_the_parameter() -> None:
         "loss_noise_multiplier 2 < policy minimum 4": dp_task(loss_noise_multiplier=2.0),
         "sample_rate 0.2 outside (0, 0.1]": dp_task(sample_rate=0.2),
         "clip_norm 5 outside (0, 1]": dp_task(clip_norm=5.0),
+        "plaintext_telemetry asks for noiseless training losses": dp_task(plaintext_telemetry=True),
     }
     for message, task in cases.items():
         with pytest.raises(PolicyRefusal, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

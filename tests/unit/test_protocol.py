@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from fairfl.protocol import (
     UPDATE,
     ClientResult,
     ResultAssembler,
+    check_against_task,
     check_result,
     encode_result,
 )
@@ -277,7 +279,7 @@ def test_non_finite_gradient_is_refused(layout: ParamLayout) -> None:
         assemble(stream(original, layout), layout)
 
 
-@pytest.mark.parametrize("loss_after", [NAN, math.inf, -0.5])
+@pytest.mark.parametrize("loss_after", [math.inf, -0.5])
 def test_bad_train_loss_after_is_refused(layout: ParamLayout, loss_after: float) -> None:
     original = train_result(layout)
     original.loss_after = loss_after
@@ -286,7 +288,7 @@ def test_bad_train_loss_after_is_refused(layout: ParamLayout, loss_after: float)
 
 
 @pytest.mark.parametrize("make", [train_result, probe_result])
-@pytest.mark.parametrize("loss_before", [NAN, -math.inf, -1.0])
+@pytest.mark.parametrize("loss_before", [-math.inf, -1.0])
 def test_bad_loss_before_is_refused(
     layout: ParamLayout, make: Callable[[ParamLayout], ClientResult], loss_before: float
 ) -> None:
@@ -294,6 +296,25 @@ def test_bad_loss_before_is_refused(
     original.loss_before = loss_before
     with pytest.raises(codec.CodecError, match="loss_before"):
         assemble(stream(original, layout), layout)
+
+
+def test_a_missing_loss_is_refused_unless_dp_withholds_it(layout: ParamLayout) -> None:
+    probe = probe_result(layout)
+    probe.loss_before = NAN
+    with pytest.raises(codec.CodecError, match="loss_before must be a finite number >= 0 in a probe result"):
+        assemble(stream(probe, layout), layout)
+    for name in ("loss_before", "loss_after"):
+        withheld = assemble(stream(replace(train_result(layout), **{name: NAN}), layout), layout)  # NaN = withheld
+        task = federation_pb2.Task(phase=TRAIN)
+        task.train.local_steps = 1
+        task.train.record_first_step = True  # train_result carries a FIRST_STEP_UPDATE too
+        with pytest.raises(codec.CodecError, match=f"{name} is missing"):
+            check_against_task(withheld, task)  # a plain training task owes both losses
+        task.train.dp.sample_rate = 0.1
+        check_against_task(withheld, task)  # DP-SGD without plaintext telemetry withholds them
+        task.train.dp.plaintext_telemetry = True
+        with pytest.raises(codec.CodecError, match=f"{name} is missing"):
+            check_against_task(withheld, task)
 
 
 @pytest.mark.parametrize("accuracy", [120.0, -0.1, NAN])
@@ -431,7 +452,7 @@ def test_check_result_applies_to_in_process_results(layout: ParamLayout) -> None
     check_result(probe_result(layout))
     check_result(evaluate_result())
     bad = train_result(layout)
-    bad.loss_after = NAN
+    bad.loss_after = -1.0
     with pytest.raises(codec.CodecError, match="loss_after"):
         check_result(bad)
 
