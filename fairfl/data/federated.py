@@ -7,10 +7,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from fairfl.data.datasets import ArrayDataset, load_dataset
-from fairfl.data.partition import partition_dirichlet, partition_iid, partition_shards, test_split_following
+from fairfl.data.groups import client_groups
+from fairfl.data.partition import (
+    partition_dirichlet,
+    partition_iid,
+    partition_label_groups,
+    partition_shards,
+    test_split_following,
+)
 from fairfl.data.synthetic import synthetic_leaf
 
-PARTITIONS = ("iid", "shards", "dirichlet")
+PARTITIONS = ("iid", "shards", "dirichlet", "label_groups")
 
 
 @dataclass(eq=False)
@@ -21,12 +28,15 @@ class FederatedData:
     test: ArrayDataset
     train_indices: list[np.ndarray]
     test_indices: list[np.ndarray]
+    groups: np.ndarray | None = None  # ground-truth group id per client (fairfl.data.groups), None if not planted
 
     def __post_init__(self) -> None:
         if len(self.train_indices) != len(self.test_indices):
             raise ValueError(
                 f"{len(self.train_indices)} train index arrays but {len(self.test_indices)} test index arrays"
             )
+        if self.groups is not None and len(self.groups) != len(self.train_indices):
+            raise ValueError(f"{len(self.groups)} group ids for {len(self.train_indices)} clients")
 
     @property
     def num_clients(self) -> int:
@@ -71,11 +81,16 @@ def build_federated(
     test_per_client: int | None = None,
     synthetic_alpha: float = 1.0,
     synthetic_beta: float = 1.0,
+    group_sizes: list[int] | None = None,
+    group_classes: list[int] | None = None,
+    samples_per_class: int | None = None,
 ) -> FederatedData:
     """Load ``dataset`` and split it among ``num_clients`` clients; the same arguments always give the same split.
 
-    ``partition`` ('iid' | 'shards' | 'dirichlet') splits the training set; each client's test set is drawn from the
-    official test set following its train label mix (``test_per_client`` samples, default len(test) // num_clients).
+    ``partition`` ('iid' | 'shards' | 'dirichlet' | 'label_groups') splits the training set ('label_groups': clients
+    in groups of ``group_sizes`` with disjoint label sets, see partition_label_groups; ``groups`` gets their ids).
+    Each client's test set is drawn from the official test set following its train label mix (``test_per_client``
+    samples, default len(test) // num_clients).
     ``dataset='synthetic'`` uses LEAF's Synthetic(α, β) with its own per-client split, ignoring ``partition``.
     """
     if num_clients < 1:
@@ -94,6 +109,11 @@ def build_federated(
         train_idx = partition_iid(train.y, num_clients, partition_rng)
     elif partition == "shards":
         train_idx = partition_shards(train.y, num_clients, shards_per_client, partition_rng)
+    elif partition == "label_groups":
+        sizes, classes = list(group_sizes or []), list(group_classes or [])
+        if sum(sizes) != num_clients:
+            raise ValueError(f"group_sizes {sizes} hold {sum(sizes)} clients, num_clients is {num_clients}")
+        train_idx = partition_label_groups(train.y, sizes, classes, partition_rng, samples_per_class)
     else:
         train_idx = partition_dirichlet(train.y, num_clients, alpha, partition_rng, min_size=min_size)
 
@@ -101,4 +121,4 @@ def build_federated(
     if size < 1:
         raise ValueError(f"test_per_client must be >= 1 (test set has {len(test)} samples for {num_clients} clients)")
     test_idx = test_split_following([train.y[i] for i in train_idx], test.y, size, train.num_classes, test_rng)
-    return FederatedData(train, test, train_idx, test_idx)
+    return FederatedData(train, test, train_idx, test_idx, client_groups(partition, group_sizes or []))

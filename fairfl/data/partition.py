@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["partition_dirichlet", "partition_iid", "partition_shards", "test_split_following"]
+__all__ = [
+    "partition_dirichlet",
+    "partition_iid",
+    "partition_label_groups",
+    "partition_shards",
+    "test_split_following",
+]
 
 
 def _check_labels(labels: np.ndarray) -> np.ndarray:
@@ -114,6 +120,61 @@ def partition_dirichlet(
         f"{max_attempts} attempts (alpha={alpha}, num_clients={num_clients}, {n} samples; smallest client had "
         f"{sizes.min()}). Increase alpha, lower min_size or use fewer clients."
     )
+
+
+def partition_label_groups(
+    labels: np.ndarray,
+    group_sizes: list[int],
+    group_classes: list[int],
+    rng: np.random.Generator,
+    samples_per_class: int | None = None,
+) -> list[np.ndarray]:
+    """Equitable-FL's disjoint-label groups (seed-equitable.md §2.1): group g holds ``group_sizes[g]`` clients (ids
+    contiguous, group 0 first) and the next ``group_classes[g]`` classes in index order, disjoint from every other
+    group's; every client of a group holds ``samples_per_class`` samples of each of its group's classes (default: the
+    class split equally among the group's clients). The paper's MNIST setup is sizes [4, 6], classes [4, 6], 800 per
+    class, so clients 0-3 hold 3200 samples of classes 0-3 and clients 4-9 hold 4800 of classes 4-9.
+    """
+    labels = _check_labels(labels)
+    if len(group_sizes) == 0 or len(group_sizes) != len(group_classes):
+        raise ValueError(
+            f"group_sizes and group_classes must be non-empty and of equal length, got {len(group_sizes)} and "
+            f"{len(group_classes)}"
+        )
+    for name, values in (("group_sizes", group_sizes), ("group_classes", group_classes)):
+        for g, value in enumerate(values):
+            _check_positive_int(value, f"{name}[{g}]")
+    if samples_per_class is not None:
+        _check_positive_int(samples_per_class, "samples_per_class")
+    num_classes = int(labels.max()) + 1 if labels.size else 0
+    if sum(group_classes) > num_classes:
+        raise ValueError(f"group_classes ask for {sum(group_classes)} classes, the dataset has {num_classes}")
+    # Shuffle once, then a stable sort by label: each class's members end up in random order, one vectorised pass.
+    shuffled = rng.permutation(len(labels))
+    by_label = shuffled[np.argsort(labels[shuffled], kind="stable")]
+    starts = np.concatenate(([0], np.cumsum(np.bincount(labels, minlength=num_classes))))
+    parts: list[list[np.ndarray]] = [[] for _ in range(sum(group_sizes))]
+    first_client, first_class = 0, 0
+    for g, (size, count) in enumerate(zip(group_sizes, group_classes, strict=True)):
+        for c in range(first_class, first_class + count):
+            pool = by_label[starts[c] : starts[c + 1]]
+            if samples_per_class is None:
+                if len(pool) < size:
+                    raise ValueError(f"group {g}: class {c} has {len(pool)} samples for {size} clients")
+                pieces = np.array_split(pool, size)
+            else:
+                need = size * samples_per_class
+                if len(pool) < need:
+                    raise ValueError(
+                        f"group {g}: class {c} has {len(pool)} samples, {size} clients x samples_per_class="
+                        f"{samples_per_class} need {need}"
+                    )
+                pieces = np.split(pool[:need], size)
+            for j, piece in enumerate(pieces):
+                parts[first_client + j].append(piece)
+        first_client += size
+        first_class += count
+    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
 
 
 def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
