@@ -113,7 +113,7 @@ class ClientEvaluation(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RoundEvent(_message.Message):
-    __slots__ = ("round", "selected", "results_accepted", "results_rejected", "results_late", "duration_seconds", "mean_train_loss", "aggregation_weights", "evaluated", "fairness", "clients", "model_sha256", "epsilon_spent", "strategy_metrics")
+    __slots__ = ("round", "selected", "results_accepted", "results_rejected", "results_late", "duration_seconds", "mean_train_loss", "aggregation_weights", "evaluated", "fairness", "clients", "model_sha256", "epsilon_spent", "strategy_metrics", "clusters")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     RESULTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class RoundEvent(_message.Message):
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_METRICS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTERS_FIELD_NUMBER: _ClassVar[int]
     round: int
     selected: _containers.RepeatedScalarFieldContainer[int]
     results_accepted: int
@@ -142,7 +143,18 @@ class RoundEvent(_message.Message):
     model_sha256: str
     epsilon_spent: float
     strategy_metrics: _containers.RepeatedCompositeFieldContainer[_common_pb2.Metric]
-    def __init__(self, round: _Optional[int] = ..., selected: _Optional[_Iterable[int]] = ..., results_accepted: _Optional[int] = ..., results_rejected: _Optional[int] = ..., results_late: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., aggregation_weights: _Optional[_Iterable[float]] = ..., evaluated: _Optional[bool] = ..., fairness: _Optional[_Union[FairnessReport, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientEvaluation, _Mapping]]] = ..., model_sha256: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., strategy_metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ...) -> None: ...
+    clusters: _containers.RepeatedCompositeFieldContainer[ClientCluster]
+    def __init__(self, round: _Optional[int] = ..., selected: _Optional[_Iterable[int]] = ..., results_accepted: _Optional[int] = ..., results_rejected: _Optional[int] = ..., results_late: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., aggregation_weights: _Optional[_Iterable[float]] = ..., evaluated: _Optional[bool] = ..., fairness: _Optional[_Union[FairnessReport, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientEvaluation, _Mapping]]] = ..., model_sha256: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., strategy_metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., clusters: _Optional[_Iterable[_Union[ClientCluster, _Mapping]]] = ...) -> None: ...
+
+class ClientCluster(_message.Message):
+    __slots__ = ("client_id", "cluster", "true_group")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    TRUE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    cluster: int
+    true_group: int
+    def __init__(self, client_id: _Optional[int] = ..., cluster: _Optional[int] = ..., true_group: _Optional[int] = ...) -> None: ...
 
 class RunEvent(_message.Message):
     __slots__ = ("run_id", "status", "round")
