@@ -65,7 +65,7 @@ class ReportSignaturesReply(_message.Message):
     def __init__(self, stored: _Optional[int] = ...) -> None: ...
 
 class SelectionParams(_message.Message):
-    __slots__ = ("temperature", "lambda_entropy", "gamma0", "num_clusters", "total_rounds", "warmup_rounds", "candidates")
+    __slots__ = ("temperature", "lambda_entropy", "gamma0", "num_clusters", "total_rounds", "warmup_rounds", "candidates", "ward_rows_as_features", "uniform_within_cluster", "freeze_after_warmup", "max_ward_points")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     LAMBDA_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     GAMMA0_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,10 @@ class SelectionParams(_message.Message):
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    WARD_ROWS_AS_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    UNIFORM_WITHIN_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    FREEZE_AFTER_WARMUP_FIELD_NUMBER: _ClassVar[int]
+    MAX_WARD_POINTS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     lambda_entropy: float
     gamma0: float
@@ -80,7 +84,11 @@ class SelectionParams(_message.Message):
     total_rounds: int
     warmup_rounds: int
     candidates: int
-    def __init__(self, temperature: _Optional[float] = ..., lambda_entropy: _Optional[float] = ..., gamma0: _Optional[float] = ..., num_clusters: _Optional[int] = ..., total_rounds: _Optional[int] = ..., warmup_rounds: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
+    ward_rows_as_features: bool
+    uniform_within_cluster: bool
+    freeze_after_warmup: bool
+    max_ward_points: int
+    def __init__(self, temperature: _Optional[float] = ..., lambda_entropy: _Optional[float] = ..., gamma0: _Optional[float] = ..., num_clusters: _Optional[int] = ..., total_rounds: _Optional[int] = ..., warmup_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., ward_rows_as_features: _Optional[bool] = ..., uniform_within_cluster: _Optional[bool] = ..., freeze_after_warmup: _Optional[bool] = ..., max_ward_points: _Optional[int] = ...) -> None: ...
 
 class SelectRequest(_message.Message):
     __slots__ = ("run_id", "round", "num_to_select", "candidates", "method", "seed", "params", "candidate_losses", "similarity", "candidate_num_samples")
@@ -107,14 +115,16 @@ class SelectRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., num_to_select: _Optional[int] = ..., candidates: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[SelectionMethod, str]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[SelectionParams, _Mapping]] = ..., candidate_losses: _Optional[_Iterable[float]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_num_samples: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SelectReply(_message.Message):
-    __slots__ = ("selected", "cluster_of_selected", "selection_seconds")
+    __slots__ = ("selected", "cluster_of_selected", "selection_seconds", "needs_losses")
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_OF_SELECTED_FIELD_NUMBER: _ClassVar[int]
     SELECTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_LOSSES_FIELD_NUMBER: _ClassVar[int]
     selected: _containers.RepeatedScalarFieldContainer[int]
     cluster_of_selected: _containers.RepeatedScalarFieldContainer[int]
     selection_seconds: float
-    def __init__(self, selected: _Optional[_Iterable[int]] = ..., cluster_of_selected: _Optional[_Iterable[int]] = ..., selection_seconds: _Optional[float] = ...) -> None: ...
+    needs_losses: bool
+    def __init__(self, selected: _Optional[_Iterable[int]] = ..., cluster_of_selected: _Optional[_Iterable[int]] = ..., selection_seconds: _Optional[float] = ..., needs_losses: _Optional[bool] = ...) -> None: ...
 
 class ClusterRequest(_message.Message):
     __slots__ = ("run_id", "round", "method", "num_clusters", "client_ids", "rows", "similarity", "seed", "linkage", "true_groups")

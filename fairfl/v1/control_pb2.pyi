@@ -113,7 +113,7 @@ class ClientEvaluation(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., accuracy: _Optional[float] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class RoundEvent(_message.Message):
-    __slots__ = ("round", "selected", "results_accepted", "results_rejected", "results_late", "duration_seconds", "mean_train_loss", "aggregation_weights", "evaluated", "fairness", "clients", "model_sha256", "epsilon_spent", "strategy_metrics", "clusters")
+    __slots__ = ("round", "selected", "results_accepted", "results_rejected", "results_late", "duration_seconds", "mean_train_loss", "aggregation_weights", "evaluated", "fairness", "clients", "model_sha256", "epsilon_spent", "strategy_metrics", "clusters", "selection_seconds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     RESULTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class RoundEvent(_message.Message):
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_METRICS_FIELD_NUMBER: _ClassVar[int]
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     selected: _containers.RepeatedScalarFieldContainer[int]
     results_accepted: int
@@ -144,7 +145,8 @@ class RoundEvent(_message.Message):
     epsilon_spent: float
     strategy_metrics: _containers.RepeatedCompositeFieldContainer[_common_pb2.Metric]
     clusters: _containers.RepeatedCompositeFieldContainer[ClientCluster]
-    def __init__(self, round: _Optional[int] = ..., selected: _Optional[_Iterable[int]] = ..., results_accepted: _Optional[int] = ..., results_rejected: _Optional[int] = ..., results_late: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., aggregation_weights: _Optional[_Iterable[float]] = ..., evaluated: _Optional[bool] = ..., fairness: _Optional[_Union[FairnessReport, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientEvaluation, _Mapping]]] = ..., model_sha256: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., strategy_metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., clusters: _Optional[_Iterable[_Union[ClientCluster, _Mapping]]] = ...) -> None: ...
+    selection_seconds: float
+    def __init__(self, round: _Optional[int] = ..., selected: _Optional[_Iterable[int]] = ..., results_accepted: _Optional[int] = ..., results_rejected: _Optional[int] = ..., results_late: _Optional[int] = ..., duration_seconds: _Optional[float] = ..., mean_train_loss: _Optional[float] = ..., aggregation_weights: _Optional[_Iterable[float]] = ..., evaluated: _Optional[bool] = ..., fairness: _Optional[_Union[FairnessReport, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientEvaluation, _Mapping]]] = ..., model_sha256: _Optional[str] = ..., epsilon_spent: _Optional[float] = ..., strategy_metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., clusters: _Optional[_Iterable[_Union[ClientCluster, _Mapping]]] = ..., selection_seconds: _Optional[float] = ...) -> None: ...
 
 class ClientCluster(_message.Message):
     __slots__ = ("client_id", "cluster", "true_group")
