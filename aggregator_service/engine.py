@@ -19,15 +19,17 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from aggregator_service.clustering_peer import LocalClusterer
 from aggregator_service.dp import DpController
 from aggregator_service.strategies import RoundContext, Strategy, build_strategy
 from client_agent.trainer import build_global_model
 from fairfl.config import ExperimentConfig
+from fairfl.data.groups import client_groups
 from fairfl.metrics.fairness import fairness_report
 from fairfl.params import ParamLayout, flatten_parameters
 from fairfl.privacy import dp_seed
 from fairfl.protocol import EVALUATE, ClientResult
-from fairfl.v1 import common_pb2, control_pb2, federation_pb2, tensor_pb2
+from fairfl.v1 import clustering_pb2, common_pb2, control_pb2, federation_pb2, tensor_pb2
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,7 @@ class RoundEngine:
         on_event: Callable[[control_pb2.RunEvent], None],
         stop: threading.Event | None = None,
         dp_randomness: str = "task",
+        clusterer: Callable[[clustering_pb2.ClusterRequest], clustering_pb2.ClusterReply] | None = None,
     ) -> None:
         self.run_id = run_id
         self.config = config
@@ -144,6 +147,10 @@ class RoundEngine:
             config.strategy.name, config.strategy.params, config.strategy.server_lr
         )
         self.round = 0
+        # Strategies that cluster (Equitable-FL) call the clustering service through this; in-process by default.
+        self.clusterer = clusterer or LocalClusterer()
+        groups = client_groups(config.data.partition, config.data.group_sizes)
+        self.true_groups = None if groups is None else {cid: int(g) for cid, g in enumerate(groups)}
         self._published: tuple[torch.Tensor, tensor_pb2.BlobRef] | None = None
         # DP runs: DP-SGD settings in every TRAIN task, per-client loss clip bounds, client-level aggregation.
         self.dp = DpController(config, dp_randomness) if config.privacy.enabled else None
@@ -255,6 +262,10 @@ class RoundEngine:
             selected,
             self._round_train_config(round_number),
             self.transport.publish,
+            seed=cfg.seed,
+            num_clients=cfg.data.num_clients,
+            true_groups=self.true_groups,
+            cluster=self.clusterer,
         )
         event = control_pb2.RoundEvent(round=round_number, selected=selected, epsilon_spent=epsilon)
         phases: list[list[ClientResult]] = []
@@ -303,6 +314,11 @@ class RoundEngine:
             self.params = outcome_agg.params
             event.aggregation_weights.extend(outcome_agg.weights[c] for c in sorted(outcome_agg.weights))
             event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome_agg.metrics.items())
+            groups = self.true_groups or {}
+            event.clusters.extend(
+                control_pb2.ClientCluster(client_id=c, cluster=k, true_group=groups.get(c, -1))
+                for c, k in sorted(outcome_agg.clusters.items())
+            )
             # DP clients withhold train_loss unless plaintext telemetry was asked for: mean over those that sent it.
             losses = [r.metrics["train_loss"] for r in phases[-1] if "train_loss" in r.metrics]
             event.mean_train_loss = float(np.mean(losses)) if losses else math.nan

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import grpc
 
+from aggregator_service.clustering_peer import RemoteClusterer
 from aggregator_service.engine import PrivacyGate, RoundEngine, Selector
 from aggregator_service.federation import SERVICE_NAME as FEDERATION_SERVICE
 from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
@@ -66,6 +67,7 @@ class Aggregator:
             record,
             stop,
             dp_randomness=process_randomness(),  # FAIRFL_DP_RANDOMNESS, default secure (see fairfl.privacy)
+            clusterer=RemoteClusterer(self.clustering_address) if self.clustering_address else None,
         )
         engine.strategy = TimedStrategy(engine.strategy)
         return engine

@@ -10,7 +10,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,7 +128,8 @@ class ClientRuntime:
         steps = (
             cfg.local_steps if cfg.WhichOneof("budget") == "local_steps" else cfg.local_epochs * math.ceil(n / batch)
         )
-        out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+        out.loss_before, accuracy_before = self._loss_and_accuracy(c, cfg.loss_eval_batches, batch, task.seed)
+        out.metrics["accuracy_before"] = accuracy_before  # % on local training data at x_t (FairFed's Acc_i)
 
         lr = cfg.lr
         fair = cfg.fair_step if cfg.HasField("fair_step") else None
@@ -151,13 +151,25 @@ class ClientRuntime:
         loss_sum = 0.0
         lr_sum = 0.0
         first_step: torch.Tensor | None = None
+        # Equitable-FL activation vector (seed-equitable.md §1.4, final_epoch_mean): log-softmax over the penultimate
+        # units, averaged over the samples of the last local epoch's steps (a step budget: its last epoch's worth of
+        # steps), each at the model state of its own forward pass, so it costs no extra forward pass.
+        activation_from = steps - min(steps, math.ceil(n / batch)) if cfg.want_activation else steps
+        activation_sum = torch.zeros(model.feature_dim, dtype=torch.float64, device=self.device)
+        activation_count = 0
         for step in range(steps):
             if position + batch > len(order):  # new epoch: fresh permutation
                 order = torch.randperm(n, generator=gen)
                 position = 0
             idx = order[position : position + batch].to(self.device)
             position += batch
-            logits = model(c.x_train[idx])
+            if step >= activation_from:
+                hidden = model.features(c.x_train[idx])
+                logits = model.classifier(hidden)  # == model(x): forward is classifier(features(x))
+                activation_sum += F.log_softmax(hidden.detach(), dim=1).sum(0, dtype=torch.float64)
+                activation_count += len(idx)
+            else:
+                logits = model(c.x_train[idx])
             loss = F.cross_entropy(logits, c.y_train[idx])
             objective = loss
             if anchor is not None:
@@ -194,7 +206,7 @@ class ClientRuntime:
                     out.bias_update = out.payloads[UPDATE][offset : offset + size].double().numpy().copy()
                 offset += size
         if cfg.want_activation:
-            out.activation = self._mean_log_softmax_features(c)
+            out.activation = (activation_sum / activation_count).cpu().numpy()
 
     def _train_dp(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
         """FedFDP's LOCAL (Alg. 2): K DP-SGD steps on Poisson(q) batches with fair clipping, then the noisy loss.
@@ -304,9 +316,14 @@ class ClientRuntime:
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def _mean_loss(self, c: _ClientTensors, max_batches: int, batch: int, seed: int) -> float:
         """F_i at the current parameters: mean cross-entropy over the local training set (or `max_batches`)."""
+        return self._loss_and_accuracy(c, max_batches, batch, seed)[0]
+
+    @torch.no_grad()
+    def _loss_and_accuracy(self, c: _ClientTensors, max_batches: int, batch: int, seed: int) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy (%) at the current parameters on the local training set (or a seeded
+        subsample of `max_batches` batches), from one forward pass."""
         self.model.eval()
         if max_batches > 0:
             gen = torch.Generator().manual_seed(seed + 1)
@@ -315,28 +332,18 @@ class ClientRuntime:
         else:
             x, y = c.x_train, c.y_train
         total = 0.0
+        correct = 0
         for start in range(0, len(y), EVAL_BATCH):
-            total += float(
-                F.cross_entropy(
-                    self.model(x[start : start + EVAL_BATCH]), y[start : start + EVAL_BATCH], reduction="sum"
-                )
-            )
-        return total / len(y)
+            logits = self.model(x[start : start + EVAL_BATCH])
+            total += float(F.cross_entropy(logits, y[start : start + EVAL_BATCH], reduction="sum"))
+            correct += int((logits.argmax(dim=1) == y[start : start + EVAL_BATCH]).sum())
+        return total / len(y), 100.0 * correct / len(y)
 
     def _classifier_bias_name(self) -> str:
         for name, param in self.model.named_parameters():
             if param is self.model.classifier.bias:
                 return name
         raise ValueError("model has no classifier bias")
-
-    @torch.no_grad()
-    def _mean_log_softmax_features(self, c: _ClientTensors) -> np.ndarray:
-        self.model.eval()
-        total = None
-        for start in range(0, len(c.y_train), EVAL_BATCH):
-            feats = F.log_softmax(self.model.features(c.x_train[start : start + EVAL_BATCH]), dim=1).sum(0)
-            total = feats if total is None else total + feats
-        return (total / len(c.y_train)).double().cpu().numpy()
 
 
 def load_run_data(config: ExperimentConfig) -> FederatedData:
@@ -358,4 +365,5 @@ def load_run_data(config: ExperimentConfig) -> FederatedData:
         group_sizes=d.group_sizes,
         group_classes=d.group_classes,
         samples_per_class=d.samples_per_class,
+        group_alphas=d.group_alphas,
     )

@@ -86,6 +86,62 @@ def _require_run_id(run_id: str) -> None:
         raise InvalidInput("run_id is required")
 
 
+def cluster_reply(request: clustering_pb2.ClusterRequest) -> clustering_pb2.ClusterReply:
+    """One Cluster call without the transport: the servicer and the aggregator's in-process peer both run this, so
+    both transports give the same clusters for the same request. Raises InvalidInput naming the bad field."""
+    labels = _cluster_labels(request)
+    nmi = clustering.nmi(request.true_groups, labels) if request.true_groups else math.nan
+    return clustering_pb2.ClusterReply(
+        labels=labels.tolist(),
+        sizes=clustering.cluster_sizes(labels).tolist(),
+        equal_cluster_weights=clustering.equal_cluster_weights(labels).tolist(),
+        nmi=nmi,
+    )
+
+
+def _cluster_labels(request: clustering_pb2.ClusterRequest) -> NDArray[np.int64]:
+    methods = (clustering_pb2.CLUSTER_METHOD_SPECTRAL, clustering_pb2.CLUSTER_METHOD_HIERARCHICAL)
+    if request.method not in methods:
+        raise InvalidInput(
+            f"method must be CLUSTER_METHOD_SPECTRAL or CLUSTER_METHOD_HIERARCHICAL, got {request.method}"
+        )
+    ids = np.asarray(request.client_ids, dtype=np.int64)
+    n = ids.size
+    if n == 0:
+        raise InvalidInput("client_ids is empty")
+    if np.unique(ids).size != n:
+        raise InvalidInput("client_ids must be unique")
+    if request.true_groups and len(request.true_groups) != n:
+        raise InvalidInput(f"true_groups has {len(request.true_groups)} entries for {n} client_ids")
+    has_rows, has_sim = request.HasField("rows"), request.HasField("similarity")
+    if has_rows == has_sim:
+        raise InvalidInput("give exactly one of rows [n, D] or similarity [n, n]")
+    rows = similarity = None
+    if has_rows:
+        rows = decode_float_tensor(request.rows, "rows", ndim=2)
+        if rows.shape[0] != n:
+            raise InvalidInput(f"rows has {rows.shape[0]} rows for {n} client_ids")
+    else:
+        similarity = decode_float_tensor(request.similarity, "similarity", ndim=2)
+        if similarity.shape != (n, n):
+            raise InvalidInput(f"similarity must be [{n}, {n}] for {n} client_ids, got {list(similarity.shape)}")
+    if not 1 <= request.num_clusters <= n:
+        raise InvalidInput(f"num_clusters must be in [1, {n}] (number of clients), got {request.num_clusters}")
+
+    if request.method == clustering_pb2.CLUSTER_METHOD_SPECTRAL:
+        if request.linkage:
+            raise InvalidInput("linkage applies to HIERARCHICAL clustering only; leave it empty for SPECTRAL")
+        if similarity is None:
+            similarity = clustering.similarity_from_rows(rows)
+        return clustering.spectral_clusters(similarity, request.num_clusters, request.seed)
+    linkage = request.linkage or "ward"
+    if similarity is None:
+        return clustering.hierarchical_clusters(rows, request.num_clusters, linkage)
+    # Ward needs distances: the ones implied by the inner products, so similarity and rows agree (S = A Aᵀ).
+    distance = clustering.distance_from_similarity(similarity)
+    return clustering.hierarchical_clusters(distance, request.num_clusters, linkage, precomputed=True)
+
+
 _SCOPE = telemetry.RunScope("clustering")  # run-scoped series of one run per process
 
 
@@ -151,18 +207,11 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
     ) -> clustering_pb2.ClusterReply:
         started = time.perf_counter()
         try:
-            labels = self._cluster(request)
-            nmi = clustering.nmi(request.true_groups, labels) if request.true_groups else math.nan
+            reply = cluster_reply(request)
         except InvalidInput as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Cluster(run {request.run_id!r}): {err}")
-        sizes = clustering.cluster_sizes(labels).tolist()
-        self._export_clusters(request, sizes, nmi, time.perf_counter() - started)
-        return clustering_pb2.ClusterReply(
-            labels=labels.tolist(),
-            sizes=sizes,
-            equal_cluster_weights=clustering.equal_cluster_weights(labels).tolist(),
-            nmi=nmi,
-        )
+        self._export_clusters(request, list(reply.sizes), reply.nmi, time.perf_counter() - started)
+        return reply
 
     def _export_clusters(
         self, request: clustering_pb2.ClusterRequest, sizes: list[int], nmi: float, seconds: float
@@ -181,49 +230,6 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
         telemetry.CLUSTERING_NMI.clear()
         if not math.isnan(nmi):
             telemetry.CLUSTERING_NMI.labels(run).set(nmi)
-
-    @staticmethod
-    def _cluster(request: clustering_pb2.ClusterRequest) -> NDArray[np.int64]:
-        methods = (clustering_pb2.CLUSTER_METHOD_SPECTRAL, clustering_pb2.CLUSTER_METHOD_HIERARCHICAL)
-        if request.method not in methods:
-            raise InvalidInput(
-                f"method must be CLUSTER_METHOD_SPECTRAL or CLUSTER_METHOD_HIERARCHICAL, got {request.method}"
-            )
-        ids = np.asarray(request.client_ids, dtype=np.int64)
-        n = ids.size
-        if n == 0:
-            raise InvalidInput("client_ids is empty")
-        if np.unique(ids).size != n:
-            raise InvalidInput("client_ids must be unique")
-        if request.true_groups and len(request.true_groups) != n:
-            raise InvalidInput(f"true_groups has {len(request.true_groups)} entries for {n} client_ids")
-        has_rows, has_sim = request.HasField("rows"), request.HasField("similarity")
-        if has_rows == has_sim:
-            raise InvalidInput("give exactly one of rows [n, D] or similarity [n, n]")
-        rows = similarity = None
-        if has_rows:
-            rows = decode_float_tensor(request.rows, "rows", ndim=2)
-            if rows.shape[0] != n:
-                raise InvalidInput(f"rows has {rows.shape[0]} rows for {n} client_ids")
-        else:
-            similarity = decode_float_tensor(request.similarity, "similarity", ndim=2)
-            if similarity.shape != (n, n):
-                raise InvalidInput(f"similarity must be [{n}, {n}] for {n} client_ids, got {list(similarity.shape)}")
-        if not 1 <= request.num_clusters <= n:
-            raise InvalidInput(f"num_clusters must be in [1, {n}] (number of clients), got {request.num_clusters}")
-
-        if request.method == clustering_pb2.CLUSTER_METHOD_SPECTRAL:
-            if request.linkage:
-                raise InvalidInput("linkage applies to HIERARCHICAL clustering only; leave it empty for SPECTRAL")
-            if similarity is None:
-                similarity = clustering.similarity_from_rows(rows)
-            return clustering.spectral_clusters(similarity, request.num_clusters, request.seed)
-        linkage = request.linkage or "ward"
-        if similarity is None:
-            return clustering.hierarchical_clusters(rows, request.num_clusters, linkage)
-        # Ward needs distances: the ones implied by the inner products, so similarity and rows agree (S = A Aᵀ).
-        distance = clustering.distance_from_similarity(similarity)
-        return clustering.hierarchical_clusters(distance, request.num_clusters, linkage, precomputed=True)
 
     def ForgetRun(
         self, request: clustering_pb2.ForgetRunRequest, context: grpc.ServicerContext

@@ -13,6 +13,7 @@ Example::
     seeds: [0, 1, 2]
     jobs: 2
     paper_source: "FedEBA+ (V002) Table 1, FashionMNIST MLP"
+    target_accuracy: 75                       # optional: adds a rounds-to-75%-mean-accuracy column
     runs:
       - label: FedAvg
         set: {strategy.name: fedavg}
@@ -51,11 +52,12 @@ from fairfl.config import ConfigError, ExperimentConfig, load_experiment
 from fairfl.results import FAIRNESS_COLUMNS
 
 TRANSPORTS = ("inprocess", "grpc")
-PAPER_METRICS = ("mean", "variance", "worst_5", "best_5", "psi")
+PAPER_METRICS = ("mean", "variance", "std", "worst_5", "best_5", "psi")
 # (key, column heading, decimals) of the Markdown table's measured columns.
 TABLE_METRICS = (
     ("mean", "Mean acc (%)", 2),
     ("variance", "Variance (%²)", 2),
+    ("std", "Std (%)", 2),
     ("worst_5", "Worst 5% (%)", 2),
     ("best_5", "Best 5% (%)", 2),
 )
@@ -68,10 +70,15 @@ EXTRA_METRICS = (
     ("psi_tail", "Ψ (mean, last 5 evaluations)", "e"),
     ("psi_test", "Ψ_test (global model)", "e"),
     ("epsilon", "ε spent (ledger)", "f4"),
+    # Runs that cluster clients on a partition with true groups (Equitable-FL): NMI of found clusters vs true groups.
+    ("nmi", "NMI (mean over rounds)", "f3"),
+    ("nmi_all_groups", "NMI (rounds with every group)", "f3"),
+    # With target_accuracy in the comparison file: the first evaluated round whose mean client accuracy reaches it.
+    ("rounds_to_target", "Rounds to target", "f1"),
 )
 PSI_TAIL = 5
 SEED_METRICS = (*FAIRNESS_COLUMNS, *(k for k, _, _ in EXTRA_METRICS), "wall_seconds")
-_SPEC_KEYS = ("name", "base", "set", "seeds", "jobs", "transport", "paper_source", "runs")
+_SPEC_KEYS = ("name", "base", "set", "seeds", "jobs", "transport", "paper_source", "target_accuracy", "runs")
 _RUN_KEYS = ("label", "set", "seeds", "paper")
 _PM = re.compile(r"^\s*([-+0-9.eE]+)\s*(?:±|\+-|\+/-)\s*([-+0-9.eE]+)\s*$")
 LOG_TAIL_LINES = 20
@@ -114,6 +121,7 @@ class ComparisonSpec:
     transport: str = "inprocess"
     paper_source: str = ""
     source: Path | None = None  # the comparison file, when loaded from one
+    target_accuracy: float | None = None  # % mean client accuracy for the rounds-to-target column
 
     def experiment(self, run: RunSpec, seed: int) -> ExperimentConfig:
         """The validated experiment of one (run, seed): base ← shared set ← run set ← seed."""
@@ -224,6 +232,11 @@ def comparison_from_dict(
     paper_source = data.get("paper_source", "")
     if not isinstance(paper_source, str):
         raise ConfigError(f"paper_source: expected text naming the paper's table, got {paper_source!r}")
+    target = data.get("target_accuracy")
+    if target is not None:
+        if isinstance(target, bool) or not isinstance(target, int | float) or not 0 < target <= 100:
+            raise ConfigError(f"target_accuracy: expected a mean client accuracy in (0, 100] (%), got {target!r}")
+        target = float(target)
 
     raw_runs = data["runs"]
     if not isinstance(raw_runs, list) or not raw_runs:
@@ -251,7 +264,7 @@ def comparison_from_dict(
         )
         runs.append(run)
 
-    spec = ComparisonSpec(name, base, shared, default_seeds, runs, jobs, transport, paper_source, source)
+    spec = ComparisonSpec(name, base, shared, default_seeds, runs, jobs, transport, paper_source, source, target)
     try:  # the base with the shared overrides first, so their errors are not blamed on a run
         load_experiment(base, shared)
     except ConfigError as err:
@@ -293,7 +306,15 @@ class SeedSummary:
     extra: dict[str, float | None] = field(default_factory=dict)  # EXTRA_METRICS keys
 
     @classmethod
-    def from_results(cls, label: str, seed: int, results: dict[str, Any], output_dir: str = "") -> SeedSummary:
+    def from_results(
+        cls,
+        label: str,
+        seed: int,
+        results: dict[str, Any],
+        output_dir: str = "",
+        target_accuracy: float | None = None,
+    ) -> SeedSummary:
+        """`target_accuracy` (%): also find the first evaluated round whose mean client accuracy reaches it."""
         rounds = results.get("rounds") or []
         if not results.get("final_fairness") or not rounds:
             raise ValueError("results.json has no evaluated round")
@@ -308,7 +329,7 @@ class SeedSummary:
             client_accuracies=[float(c.get("accuracy", 0.0)) for c in final.get("clients", [])],
             variance_by_round=[(int(r.get("round", 0)), float(r["fairness"].get("variance", 0.0))) for r in rounds],
             output_dir=output_dir,
-            extra=_extra_metrics(rounds),
+            extra={**_extra_metrics(rounds), **_progress_metrics(results, target_accuracy)},
         )
 
 
@@ -338,6 +359,28 @@ def _extra_metrics(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
         "psi_test": psi_test,
         "epsilon": float(eps) if eps is not None else None,
     }
+
+
+def rounds_to_target(rounds: list[dict[str, Any]], target: float) -> int | None:
+    """The first evaluated round whose mean client accuracy is >= target (%), None when no round reached it."""
+    for r in rounds:
+        if float(r.get("fairness", {}).get("mean", 0.0)) >= target:
+            return int(r.get("round", 0))
+    return None
+
+
+def _progress_metrics(results: dict[str, Any], target: float | None) -> dict[str, float | None]:
+    """NMI (from results.json's clustering summary, over every round) and rounds-to-target; only the keys that apply
+    to this run, so runs without clustering or without a target keep their extra metrics unchanged."""
+    out: dict[str, float | None] = {}
+    clustering = results.get("clustering")
+    if clustering:
+        out["nmi"] = clustering.get("nmi_mean")
+        out["nmi_all_groups"] = clustering.get("nmi_all_groups_mean")
+    if target is not None:
+        reached = rounds_to_target(results.get("rounds") or [], target)
+        out["rounds_to_target"] = None if reached is None else float(reached)
+    return out
 
 
 @dataclass(frozen=True)
@@ -400,10 +443,23 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def render_table(algorithms: Sequence[AlgorithmSummary]) -> str:
-    """The Markdown comparison table; paper columns appear when any algorithm has paper numbers."""
+def _rounds_cell(stat: Stat, seeds: int) -> str:
+    """Rounds to target over the seeds that reached it, saying how many did when not all."""
+    if stat.n == 0:
+        return "not reached"
+    text = stat.format(1)
+    return text if stat.n == seeds else f"{text} ({stat.n}/{seeds} seeds)"
+
+
+def render_table(algorithms: Sequence[AlgorithmSummary], target_accuracy: float | None = None) -> str:
+    """The Markdown comparison table; paper columns appear when any algorithm has paper numbers, the rounds-to-target
+    column when the comparison names a target accuracy."""
     with_paper = any(a.paper for a in algorithms)
-    extras = [(k, h, f) for k, h, f in EXTRA_METRICS if any(a.metrics[k].n for a in algorithms)]
+    extras = [
+        (k, f"Rounds to {target_accuracy:g}% mean acc" if k == "rounds_to_target" else h, f)
+        for k, h, f in EXTRA_METRICS
+        if any(a.metrics[k].n for a in algorithms) or (k == "rounds_to_target" and target_accuracy is not None)
+    ]
     paper_cols = [(k, h) for k, h, _ in TABLE_METRICS]
     if any("psi" in a.paper for a in algorithms):
         paper_cols.append(("psi", "Ψ"))
@@ -417,7 +473,10 @@ def render_table(algorithms: Sequence[AlgorithmSummary]) -> str:
         if a.failed_seeds:
             seeds += f" (failed: {', '.join(map(str, a.failed_seeds))})"
         row = [_cell(a.label), seeds, *(a.metrics[k].format(d) for k, _, d in TABLE_METRICS)]
-        row += [a.metrics[k].format_as(f) for k, _, f in extras]
+        row += [
+            _rounds_cell(a.metrics[k], len(a.seeds)) if k == "rounds_to_target" else a.metrics[k].format_as(f)
+            for k, _, f in extras
+        ]
         row.append(a.metrics["wall_seconds"].format(1))
         if with_paper:
             row += [str(a.paper[k]) if k in a.paper else "—" for k, _ in paper_cols]
@@ -537,7 +596,7 @@ def _run_one(
         return RunFailure(run.label, seed, code, _tail(log_path), str(log_path))
     try:
         results = json.loads((run_dir / "results.json").read_text())
-        return SeedSummary.from_results(run.label, seed, results, str(run_dir))
+        return SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
     except (OSError, ValueError, KeyError) as err:
         return RunFailure(run.label, seed, code, f"unusable results.json: {err}\n{_tail(log_path)}", str(log_path))
 
@@ -641,7 +700,18 @@ def render_markdown(result: ComparisonResult, command_line: str, machine: dict[s
             "weighted by test samples. ε spent is what the privacy ledger recorded after the final round: the largest "
             "over principals (clients, or the federation), recomputed from the stored events."
         )
-    lines += ["", render_table(result.algorithms())]
+    if any(r.extra.get("nmi") is not None for r in result.runs):
+        lines.append(
+            "NMI compares the clusters a strategy found each round (Equitable-FL's spectral clustering of the round's "
+            "participants) with the partition's true groups (sklearn normalized_mutual_info_score): the mean over all "
+            "rounds, and over the rounds whose participants covered every true group."
+        )
+    if spec.target_accuracy is not None:
+        lines.append(
+            f"Rounds to {spec.target_accuracy:g}%: the first evaluated round whose mean client accuracy reached it, "
+            "mean ± std over the seeds that reached it (how many did, when not all)."
+        )
+    lines += ["", render_table(result.algorithms(), spec.target_accuracy)]
     if any(r.extra.get("epsilon") is not None for r in result.runs):
         lines += ["", "Per run:", ""]
         lines.append("| Algorithm | Seed | Final round | Mean acc (%) | Ψ (final round) | ε spent (ledger) |")
@@ -678,6 +748,7 @@ def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, 
         "transport": result.transport,
         "jobs": result.jobs,
         "paper_source": spec.paper_source,
+        "target_accuracy": spec.target_accuracy,
         "algorithms": [
             {
                 "label": a.label,
@@ -776,7 +847,7 @@ def write_report(result: ComparisonResult, output_dir: Path, command_line: str) 
     (output_dir / "comparison.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     plot_accuracy_distribution(result, output_dir / "accuracy_distribution.png")
     plot_variance_over_rounds(result, output_dir / "variance_over_rounds.png")
-    return render_table(algorithms)
+    return render_table(algorithms, result.spec.target_accuracy)
 
 
 # --- command line -----------------------------------------------------------------------------------------------------

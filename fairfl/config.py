@@ -286,6 +286,13 @@ class ExperimentConfig:
             )
         if self.runtime.agents > self.data.num_clients:
             raise ConfigError(f"runtime.agents: {self.runtime.agents} agents for {self.data.num_clients} clients")
+        if self.strategy.name == "cluster2" and self.selection.method != "clustered_sampling":
+            # Cluster2 is a sampling method (Fraboni et al. Alg. 2): with any other selection it would silently be
+            # FedProx with uniform weights.
+            raise ConfigError(
+                f"selection.method: strategy cluster2 needs clustered_sampling (the clustering service's Cluster2 "
+                f"sampler), got {self.selection.method!r}"
+            )
         if self.privacy.enabled:
             self._validate_privacy()
 

@@ -193,6 +193,10 @@ def check_against_task(result: ClientResult, task: federation_pb2.Task) -> None:
         for name in ("loss_before", "loss_after"):
             if math.isnan(getattr(result, name)):
                 raise codec.CodecError(f"{name} is missing (nan); the task asks for the training losses")
+    # Equitable-FL clusters on the activation vectors: a result without the one it was asked for is refused like a
+    # missing payload, not left to fail the round's aggregation.
+    if task.phase == TRAIN and task.train.want_activation and result.activation is None:
+        raise codec.CodecError("the task asks for an activation vector; the result has none")
 
 
 def losses_owed(train: federation_pb2.LocalTrainingConfig) -> bool:

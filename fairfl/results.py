@@ -13,6 +13,7 @@ from typing import Any, TextIO
 from google.protobuf.json_format import MessageToDict
 
 from fairfl.config import ExperimentConfig
+from fairfl.data.groups import client_groups
 from fairfl.v1 import control_pb2
 
 FAIRNESS_COLUMNS = [
@@ -34,6 +35,7 @@ FAIRNESS_COLUMNS = [
 ROUND_COLUMNS = [
     "round",
     "duration_seconds",
+    "selection_seconds",
     "selected",
     "results_accepted",
     "results_rejected",
@@ -42,6 +44,8 @@ ROUND_COLUMNS = [
     "epsilon_spent",
     "model_sha256",
     *FAIRNESS_COLUMNS,
+    "nmi",
+    "clusters",
 ]
 
 
@@ -128,6 +132,12 @@ class RunRecorder:
             "final_round": final.round if final else None,
             "final_fairness": {k: _num(getattr(final.fairness, k)) for k in FAIRNESS_COLUMNS} if final else None,
             "final_model_sha256": self.rounds[-1].model_sha256 if self.rounds else None,
+            # Mean time per round the engine spent selecting clients (RoundEvent.selection_seconds).
+            "mean_selection_seconds": (
+                round(sum(r.selection_seconds for r in self.rounds) / len(self.rounds), 6) if self.rounds else None
+            ),
+            "client_groups": _client_groups(self.config),
+            "clustering": clustering_summary(self.rounds),
             "config": self.config.to_dict(),
             **(extra or {}),
         }
@@ -144,6 +154,7 @@ class RunRecorder:
                 row: list[Any] = [
                     r.round,
                     f"{r.duration_seconds:.4f}",
+                    f"{r.selection_seconds:.6f}",
                     " ".join(map(str, r.selected)),
                     r.results_accepted,
                     r.results_rejected,
@@ -153,6 +164,8 @@ class RunRecorder:
                     r.model_sha256,
                 ]
                 row += [_fmt(getattr(r.fairness, c)) if r.evaluated else "" for c in FAIRNESS_COLUMNS]
+                nmi = strategy_metric(r, "nmi")
+                row += ["" if nmi is None else _fmt(nmi), " ".join(f"{c.client_id}:{c.cluster}" for c in r.clusters)]
                 writer.writerow(row)
         with (directory / "clients.csv").open("w", newline="") as fh:
             writer = csv.writer(fh)
@@ -161,6 +174,34 @@ class RunRecorder:
                 for c in r.clients:
                     writer.writerow([r.round, c.client_id, _fmt(c.accuracy), _fmt(c.loss), c.num_samples])
         return summary
+
+
+def strategy_metric(event: control_pb2.RoundEvent, name: str) -> float | None:
+    return next((m.value for m in event.strategy_metrics if m.name == name), None)
+
+
+def _client_groups(config: ExperimentConfig) -> list[int] | None:
+    groups = client_groups(config.data.partition, config.data.group_sizes)
+    return None if groups is None else groups.tolist()
+
+
+def clustering_summary(rounds: list[control_pb2.RoundEvent]) -> dict[str, Any] | None:
+    """NMI of the clusters a strategy found against the true groups (spec seed-equitable.md §5): mean over every
+    round that reported one, and over the rounds whose clients covered every true group. None when no round did."""
+    nmis = [
+        (v, strategy_metric(r, "all_groups_present") == 1.0)
+        for r in rounds
+        if (v := strategy_metric(r, "nmi")) is not None
+    ]
+    if not nmis:
+        return None
+    covered = [v for v, every in nmis if every]
+    return {
+        "rounds": len(nmis),
+        "nmi_mean": sum(v for v, _ in nmis) / len(nmis),
+        "rounds_all_groups": len(covered),
+        "nmi_all_groups_mean": sum(covered) / len(covered) if covered else None,
+    }
 
 
 def _num(value: float) -> float | int | None:

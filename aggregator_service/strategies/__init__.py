@@ -6,6 +6,9 @@ from typing import Any
 
 from aggregator_service.strategies.afl import AFL
 from aggregator_service.strategies.base import AggregateOutcome, PhasePlan, RoundContext, Strategy, params_from_dict
+from aggregator_service.strategies.cluster2 import Cluster2
+from aggregator_service.strategies.equitable import Equitable
+from aggregator_service.strategies.fairfed import FairFed
 from aggregator_service.strategies.fedavg import FedAvg
 from aggregator_service.strategies.fedeba import FedEBA, FedEBAPlus, PracFedEBAPlus
 from aggregator_service.strategies.fedfair import FedFair
@@ -16,7 +19,21 @@ from aggregator_service.strategies.term import TERM
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (FedAvg, FedEBA, FedEBAPlus, PracFedEBAPlus, FedProx, FedFair, QFFL, AFL, FedMGDAPlus, TERM)
+    for cls in (
+        FedAvg,
+        FedEBA,
+        FedEBAPlus,
+        PracFedEBAPlus,
+        FedProx,
+        FedFair,
+        QFFL,
+        AFL,
+        FedMGDAPlus,
+        TERM,
+        Equitable,
+        Cluster2,
+        FairFed,
+    )
 }
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
-from fairfl.v1 import federation_pb2, tensor_pb2
+from fairfl.v1 import clustering_pb2, federation_pb2, tensor_pb2
 
 
 @dataclass
@@ -27,6 +27,11 @@ class RoundContext:
     selected: list[int]
     train_config: federation_pb2.LocalTrainingConfig  # the run's local config for this round (lr decay applied)
     publish: Callable[[torch.Tensor], tensor_pb2.BlobRef]  # make a flat tensor fetchable by clients
+    seed: int = 0  # the run seed; strategies derive their own randomness from it and the round
+    num_clients: int = 0  # the run's data.num_clients (0 = unknown)
+    true_groups: dict[int, int] | None = None  # ground-truth group per client id (grouped partitions), else None
+    # The clustering service's Cluster call (gRPC, or the same code in-process); None when the engine has none.
+    cluster: Callable[[clustering_pb2.ClusterRequest], clustering_pb2.ClusterReply] | None = None
 
 
 @dataclass
@@ -44,6 +49,7 @@ class AggregateOutcome:
     params: torch.Tensor
     weights: dict[int, float] = field(default_factory=dict)  # aggregation weight per client
     metrics: dict[str, float] = field(default_factory=dict)
+    clusters: dict[int, int] = field(default_factory=dict)  # found cluster per client, when the strategy clusters
 
 
 @dataclass

@@ -219,15 +219,16 @@ def test_markdown_table_has_measured_and_paper_columns() -> None:
     runs, paper = hand_made()
     table = render_table([summarize("FedAvg", runs[:3], paper), summarize("q-FFL | q=0.1", runs[3:], {}, [1])])
     header, rule, fedavg, qffl = table.splitlines()
-    assert header.split(" | ")[-4:] == [
+    assert header.split(" | ")[-5:] == [
         "Paper: Mean acc (%)",
         "Paper: Variance (%²)",
+        "Paper: Std (%)",
         "Paper: Worst 5% (%)",
         "Paper: Best 5% (%) |",
     ]
-    assert "| 83.33 ± 2.49 | 20.00 ± 8.16 | 53.33 ± 2.49 | 97.00 ± 1.63 | 5.0 ± 0.8 |" in fedavg
-    assert fedavg.endswith("| 86.49 ± 0.09 | 62.44 ± 4.55 | — | — |")
-    assert qffl.startswith("| q-FFL \\| q=0.1 | 0 (failed: 1) | 81.50 | 12.25 | 60.00 | 93.00 | 3.0 |")
+    assert "| 83.33 ± 2.49 | 20.00 ± 8.16 | 0.00 ± 0.00 | 53.33 ± 2.49 | 97.00 ± 1.63 | 5.0 ± 0.8 |" in fedavg
+    assert fedavg.endswith("| 86.49 ± 0.09 | 62.44 ± 4.55 | — | — | — |")
+    assert qffl.startswith("| q-FFL \\| q=0.1 | 0 (failed: 1) | 81.50 | 12.25 | 0.00 | 60.00 | 93.00 | 3.0 |")
     assert rule.count("|") == header.count("|")
 
 

@@ -1,0 +1,43 @@
+"""How the engine reaches the clustering service's Cluster call: over gRPC, or the same code in-process.
+
+Both take and return the protobuf messages and run `clustering_service.servicer.cluster_reply`, so a strategy gets
+the same clusters from either transport for the same request (the request carries the seed of k-means).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from fairfl.rpc import SHORT_DEADLINE, open_channel
+from fairfl.v1 import clustering_pb2, clustering_pb2_grpc
+
+
+class ClusteringFailed(RuntimeError):
+    """The clustering service refused or could not serve a Cluster call; the message says why."""
+
+
+class LocalClusterer:
+    def __call__(self, request: clustering_pb2.ClusterRequest) -> clustering_pb2.ClusterReply:
+        from clustering_service.errors import InvalidInput
+        from clustering_service.servicer import cluster_reply
+
+        try:
+            return cluster_reply(request)
+        except InvalidInput as err:
+            raise ClusteringFailed(f"Cluster(run {request.run_id!r}) round {request.round}: {err}") from None
+
+
+class RemoteClusterer:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = open_channel(address)
+        self.stub = clustering_pb2_grpc.ClusteringStub(self.channel)
+
+    def __call__(self, request: clustering_pb2.ClusterRequest) -> clustering_pb2.ClusterReply:
+        try:
+            return self.stub.Cluster(request, timeout=SHORT_DEADLINE, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise ClusteringFailed(
+                f"clustering service at {self.address}: Cluster round {request.round} failed with "
+                f"{err.code().name}: {err.details()}"
+            ) from None
