@@ -456,10 +456,10 @@ def render_table(algorithms: Sequence[AlgorithmSummary], target_accuracy: float 
     column when the comparison names a target accuracy."""
     with_paper = any(a.paper for a in algorithms)
     extras = [
-        (k, f"Rounds to {target_accuracy:g}% mean acc" if k == "rounds_to_target" else h, f)
-        for k, h, f in EXTRA_METRICS
-        if any(a.metrics[k].n for a in algorithms) or (k == "rounds_to_target" and target_accuracy is not None)
+        (k, h, f) for k, h, f in EXTRA_METRICS if k != "rounds_to_target" and any(a.metrics[k].n for a in algorithms)
     ]
+    if target_accuracy is not None:
+        extras.append(("rounds_to_target", f"Rounds to {target_accuracy:g}% mean acc", "f1"))
     paper_cols = [(k, h) for k, h, _ in TABLE_METRICS]
     if any("psi" in a.paper for a in algorithms):
         paper_cols.append(("psi", "Ψ"))
