@@ -41,3 +41,6 @@ class RemoteClusterer:
                 f"clustering service at {self.address}: Cluster round {request.round} failed with "
                 f"{err.code().name}: {err.details()}"
             ) from None
+
+    def close(self) -> None:
+        self.channel.close()
