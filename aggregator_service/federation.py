@@ -4,6 +4,10 @@
 thin RPC layer over the same state. Every result is checked before it can reach a strategy: the task must be open
 and assigned to the submitting client on the submitting agent, the payload must match the model layout, be finite
 and hash to the declared sha256. A refused result leaves the round and the model untouched.
+
+Identity (docs/security.md): on an mTLS aggregator every agent id is bound at registration to the certificate that
+registered it (its fingerprint; "" on a plaintext aggregator), so polling, heartbeats and results for an agent id are
+accepted only from that certificate, and an agent certificate that names its clients may register only those.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ClientTransport, PhaseOutcome
-from fairfl import __version__, codec, telemetry
+from fairfl import __version__, codec, rpc, telemetry, tls
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult, ResultAssembler, check_against_task, check_result
@@ -35,16 +39,21 @@ HEARTBEAT_INTERVAL_S = 5.0
 AGENT_TIMEOUT_S = 30.0  # an agent silent this long no longer counts as available
 MAX_POLL_WAIT_S = 30.0
 CLOSED_TASK_MEMORY = 200_000
+MAX_CLIENTS_PER_AGENT = 1_000_000
+MAX_NAME_CHARS = 256
 
 
 class Rejected(Exception):
     """A result refused with a gRPC status; counted, and the round goes on."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, late: bool = False, reason: str = "") -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, late: bool = False, reason: str = "", cause: str = "malformed"
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.late = late
         self.reason = reason or code.name.lower()  # bounded metric label: "late", "duplicate" or the status code
+        self.cause = cause  # fairfl_requests_refused_total's reason: a fixed word (see fairfl.telemetry)
 
 
 @dataclass
@@ -55,6 +64,7 @@ class _Agent:
     device: str
     last_seen: float
     queue: deque[federation_pb2.Task] = field(default_factory=deque)
+    principal: str = ""  # fingerprint of the certificate that registered it ("" on a plaintext aggregator)
 
 
 @dataclass
@@ -85,9 +95,11 @@ class FederationState:
 
     # -- agents -------------------------------------------------------------------------------------------------
 
-    def register(self, name: str, client_ids: list[int], device: str) -> _Agent:
+    def register(self, name: str, client_ids: list[int], device: str, principal: str = "") -> _Agent:
         with self.lock:
-            agent = _Agent(uuid.uuid4().hex, name, sorted(set(client_ids)), device, time.monotonic())
+            agent = _Agent(
+                uuid.uuid4().hex, name, sorted(set(client_ids)), device, time.monotonic(), principal=principal
+            )
             taken = set(agent.client_ids)
             for old in [a for a in self.agents.values() if taken & set(a.client_ids)]:
                 # A re-registering agent takes its clients back, with the tasks already queued for them, so a
@@ -145,8 +157,16 @@ class FederationState:
 
     # -- results ------------------------------------------------------------------------------------------------
 
-    def accept(self, header: federation_pb2.ResultHeader, data: Iterable[bytes]) -> None:
-        """Validate a result stream and file it with its phase; raises Rejected with the status to return."""
+    def owner_principal(self, agent_id: str) -> str | None:
+        """The certificate fingerprint `agent_id` is bound to; None for an unknown agent."""
+        with self.lock:
+            agent = self.agents.get(agent_id)
+            return None if agent is None else agent.principal
+
+    def accept(self, header: federation_pb2.ResultHeader, data: Iterable[bytes], principal: str = "") -> None:
+        """Validate a result stream and file it with its phase; raises Rejected with the status to return.
+
+        `principal` is the submitting certificate's fingerprint ("" on a plaintext aggregator)."""
         with self.lock:
             batch = self.open_tasks.get(header.task_id)
             task = batch.pending.get(header.task_id) if batch else None
@@ -154,43 +174,65 @@ class FederationState:
             if task is None or batch is None:
                 closed = self.closed_tasks.get(header.task_id)
                 if closed is None:
-                    raise Rejected(grpc.StatusCode.NOT_FOUND, f"unknown task {header.task_id!r}: it was never issued")
+                    raise Rejected(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"unknown task {header.task_id[:200]!r}: it was never issued",
+                        cause="unknown",
+                    )
                 round_number, accepted = closed
                 kind = "duplicate" if accepted else "late"
                 self.counters[kind] += 1
                 self.refused_after_close[(round_number, kind)] += 1
-                reason = (
-                    "its result was already accepted; results are accepted once"
-                    if accepted
-                    else f"round {round_number} closed it at its deadline before the result arrived"
-                )
+                if accepted:  # a replay: whoever sends it, a result counts once
+                    raise Rejected(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"task {header.task_id} is closed: its result was already accepted; results are accepted "
+                        "once (replay refused)",
+                        late=True,
+                        reason=kind,
+                        cause="replay",
+                    )
                 raise Rejected(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"task {header.task_id} is closed: {reason}",
+                    f"task {header.task_id} is closed: round {round_number} closed it at its deadline before the "
+                    "result arrived",
                     late=True,
                     reason=kind,
+                    cause="late",
                 )
             owner = self.client_owner.get(header.client_id)
             if owner is None:
                 raise Rejected(
-                    grpc.StatusCode.NOT_FOUND, f"unknown client id {header.client_id}: no agent registered it"
+                    grpc.StatusCode.NOT_FOUND,
+                    f"unknown client id {header.client_id}: no agent registered it",
+                    cause="unknown",
                 )
             if header.client_id != task.client_id:
                 raise Rejected(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}",
+                    cause="identity",
                 )
             if header.agent_id != owner:  # an empty agent id is no excuse: task ids are guessable
                 raise Rejected(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"client {header.client_id} is hosted by agent {owner[:8]}…, not by the submitting agent "
                     f"{header.agent_id[:8] or '(none given)'}",
+                    cause="identity",
+                )
+            if self.agents[owner].principal != principal:  # agent ids are secrets only until a log line leaks one
+                raise Rejected(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"client {header.client_id}'s agent {owner[:8]}… registered with another certificate than the "
+                    "one submitting this result",
+                    cause="identity",
                 )
             if (header.run_id, header.round, header.phase) != (task.run_id, task.round, task.phase):
                 raise Rejected(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"result says run {header.run_id!r} round {header.round} phase {header.phase}; the task is run "
-                    f"{task.run_id!r} round {task.round} phase {task.phase}",
+                    f"result says run {header.run_id[:200]!r} round {header.round} phase {header.phase}; the task is "
+                    f"run {task.run_id!r} round {task.round} phase {task.phase}",
+                    cause="mismatch",
                 )
         assert layout is not None
         try:
@@ -201,8 +243,8 @@ class FederationState:
             check_result(result)
             check_against_task(result, task)
         except codec.CodecError as err:
-            code = grpc.StatusCode.DATA_LOSS if "sha256" in str(err) else grpc.StatusCode.INVALID_ARGUMENT
-            raise Rejected(code, f"result for task {header.task_id} refused: {err}") from err
+            code = grpc.StatusCode.DATA_LOSS if err.reason == "integrity" else grpc.StatusCode.INVALID_ARGUMENT
+            raise Rejected(code, f"result for task {header.task_id} refused: {err}", cause=err.reason) from err
         with self.lock:
             batch = self.open_tasks.get(header.task_id)
             if batch is None or header.task_id not in batch.pending:  # closed while we were receiving
@@ -213,6 +255,7 @@ class FederationState:
                     f"task {header.task_id} closed while its result was arriving",
                     late=True,
                     reason="late",
+                    cause="late",
                 )
             del batch.pending[header.task_id]
             del self.open_tasks[header.task_id]
@@ -315,29 +358,71 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     def __init__(self, state: FederationState) -> None:
         self.state = state
 
+    def _bound(self, context: grpc.ServicerContext, agent_id: str, action: str) -> None:
+        """Abort unless `agent_id` was registered by the caller's certificate (any caller on a plaintext server)."""
+        bound_to = self.state.owner_principal(agent_id)
+        if bound_to is not None and bound_to != rpc.principal(context):
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "identity",
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"agent {agent_id[:8]}… was registered with another certificate; {action} only with your own agent id",
+            )
+
     def Register(self, request: federation_pb2.RegisterRequest, context: grpc.ServicerContext):
         if not request.client_ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register at least one client id")
-        agent = self.state.register(request.agent_name, list(request.client_ids), request.device)
+        if len(request.client_ids) > MAX_CLIENTS_PER_AGENT or len(request.agent_name) > MAX_NAME_CHARS:
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "size",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"an agent registers at most {MAX_CLIENTS_PER_AGENT} client ids with a name of at most "
+                f"{MAX_NAME_CHARS} characters",
+            )
+        identity = rpc.caller(context)
+        if identity is not None:
+            refused = identity.unauthorized(list(request.client_ids))
+            if refused:
+                rpc.refuse(
+                    context,
+                    SERVICE_NAME,
+                    "identity",
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{identity.describe()} may host clients {identity.clients and tls.format_ranges(identity.clients)}"
+                    f", not {refused}",
+                )
+        agent = self.state.register(
+            request.agent_name,
+            list(request.client_ids),
+            request.device[:MAX_NAME_CHARS],
+            principal=identity.fingerprint if identity is not None else "",
+        )
         log.info(
-            "agent %s (%s, %s) registered %d clients",
+            "agent %s (%s, %s) registered %d clients%s",
             agent.agent_id[:8],
             request.agent_name,
-            request.device,
+            request.device[:MAX_NAME_CHARS],
             len(agent.client_ids),
+            f" as {identity.describe()}" if identity is not None else "",
         )
         return federation_pb2.RegisterReply(
             agent_id=agent.agent_id, heartbeat_interval_seconds=HEARTBEAT_INTERVAL_S, poll_wait_seconds=10.0
         )
 
     def Heartbeat(self, request: federation_pb2.HeartbeatRequest, context: grpc.ServicerContext):
+        self._bound(context, request.agent_id, "send heartbeats")
         return federation_pb2.HeartbeatReply(known=self.state.touch(request.agent_id) is not None)
 
     def PollTasks(self, request: federation_pb2.PollRequest, context: grpc.ServicerContext):
+        self._bound(context, request.agent_id, "poll tasks")
         if self.state.touch(request.agent_id) is None:
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"agent {request.agent_id!r} is not registered (the aggregator may have restarted); register again",
+                f"agent {request.agent_id[:64]!r} is not registered (the aggregator may have restarted); "
+                "register again",
             )
         wait = request.wait_seconds
         remaining = context.time_remaining()
@@ -362,7 +447,13 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     def SubmitResult(self, request_iterator: Iterator[federation_pb2.ResultChunk], context: grpc.ServicerContext):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a result stream must start with a ResultHeader")
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "malformed",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a result stream must start with a ResultHeader",
+            )
         header = first.header
 
         def data() -> Iterator[bytes]:
@@ -372,7 +463,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 yield chunk.data
 
         try:
-            self.state.accept(header, data())
+            self.state.accept(header, data(), rpc.principal(context))
         except Rejected as rejected:
             if not rejected.late:
                 self.state.count_rejection(header.task_id)
@@ -380,8 +471,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 telemetry.RESULTS_LATE.inc()
             else:
                 telemetry.RESULTS_REJECTED.labels(rejected.reason).inc()
-            log.info("rejected result for %s: %s", header.task_id, rejected)
-            context.abort(rejected.code, str(rejected))
+            log.info("rejected result for %s: %s", header.task_id[:200], rejected)
+            rpc.refuse(context, SERVICE_NAME, rejected.cause, rejected.code, str(rejected))
         telemetry.RESULTS_ACCEPTED.inc()
         return federation_pb2.SubmitReply(accepted=True)
 

@@ -19,10 +19,20 @@ from aggregator_service.monitoring import InstrumentedTransport, RunMonitor, Tim
 from aggregator_service.peers import LocalPrivacy, LocalSelector, RemotePrivacy, RemoteSelector
 from aggregator_service.runs import SERVICE_NAME as CONTROL_SERVICE
 from aggregator_service.runs import RunControlServicer, RunManager
-from fairfl import telemetry
+from fairfl import telemetry, tls
 from fairfl.config import ExperimentConfig
 from fairfl.privacy import process_randomness
-from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
+from fairfl.rpc import (
+    AccessPolicy,
+    RunningServer,
+    TransportSecurity,
+    add_limit_arguments,
+    add_transport_arguments,
+    configure_logging,
+    serve_until_signal,
+    start_server,
+    transport_from_args,
+)
 from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -78,9 +88,37 @@ class Aggregator:
         return SERVICE_NAMES
 
 
-def serve(bind: str, clustering_address: str = "", privacy_address: str = "") -> tuple[RunningServer, Aggregator]:
+def access_policy(rate: float = 200.0, burst: int = 1000, max_in_flight: int = 64) -> AccessPolicy:
+    """Agents use the Federation API, services and operators (service certificates) RunControl. Every Federation
+    method but the long-poll is rate limited per caller; PollTasks waits by design and each agent holds one."""
+    limited = ("Register", "Heartbeat", "GetRunSpec", "FetchBlob", "SubmitResult")
+    return AccessPolicy(
+        roles={FEDERATION_SERVICE: frozenset({tls.ROLE_AGENT}), CONTROL_SERVICE: frozenset({tls.ROLE_SERVICE})},
+        rate_limited=frozenset(f"/{FEDERATION_SERVICE}/{m}" for m in limited),
+        rate=rate,
+        burst=burst,
+        max_in_flight=max_in_flight,
+    )
+
+
+def serve(
+    bind: str,
+    clustering_address: str = "",
+    privacy_address: str = "",
+    security: TransportSecurity | None = None,
+    policy: AccessPolicy | None = None,
+    health_bind: str = "",
+) -> tuple[RunningServer, Aggregator]:
     aggregator = Aggregator(clustering_address, privacy_address)
-    return start_server(bind, aggregator.register, max_workers=64), aggregator
+    running = start_server(
+        bind,
+        aggregator.register,
+        max_workers=64,
+        security=security,
+        policy=policy or access_policy(),
+        health_bind=health_bind,
+    )
+    return running, aggregator
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
     telemetry.add_metrics_arguments(parser)
+    add_transport_arguments(parser)
+    add_limit_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    security = transport_from_args(parser, args)  # also the identity it dials clustering and privacy with
     metrics = telemetry.start_from_args(args, "aggregator")
-    running, _ = serve(args.bind, args.clustering, args.privacy)
+    policy = access_policy(args.rate_limit, args.rate_burst, args.max_in_flight)
+    running, _ = serve(args.bind, args.clustering, args.privacy, security, policy, args.health_bind)
     # Launchers asking for port 0 read the bound ports from this line.
     print(telemetry.announcement(running.port, metrics), flush=True)
     serve_until_signal(running, SERVICE_NAMES)

@@ -26,7 +26,15 @@ from fairfl import __version__, codec, telemetry
 from fairfl.config import experiment_from_yaml
 from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
 from fairfl.protocol import encode_result
-from fairfl.rpc import SHORT_DEADLINE, TRANSFER_DEADLINE, configure_logging, open_channel
+from fairfl.rpc import (
+    SHORT_DEADLINE,
+    TRANSFER_DEADLINE,
+    TransportSecurity,
+    add_transport_arguments,
+    configure_logging,
+    open_channel,
+    transport_from_args,
+)
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -60,13 +68,14 @@ class Agent:
         name: str = "",
         dp_policy: DpPolicy | None = None,
         dp_randomness: str = "secure",
+        security: TransportSecurity | None = None,
     ) -> None:
         self.client_ids = client_ids
         self.dp_policy = dp_policy or DpPolicy()  # the weakest DP this agent's owner accepts
         self.dp_randomness = check_randomness(dp_randomness)
         self.device = resolve_device(device)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.channel = open_channel(aggregator)
+        self.channel = open_channel(aggregator, security)  # mTLS as this agent's certificate, unless --insecure
         self.stub = federation_pb2_grpc.FederationStub(self.channel)
         self.agent_id = ""
         self.runtimes: dict[str, ClientRuntime] = {}
@@ -237,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     DpPolicy.add_arguments(parser)
     telemetry.add_metrics_arguments(parser)
+    add_transport_arguments(parser, server=False)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    security = transport_from_args(parser, args)
     if args.clients_per_agent and not args.clients:
         ordinal = int(socket.gethostname().rsplit("-", 1)[-1])
         args.clients = f"{ordinal * args.clients_per_agent}-{(ordinal + 1) * args.clients_per_agent - 1}"
@@ -255,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if metrics is not None:  # launchers read the metrics port from this line
         print(telemetry.announcement(None, metrics), flush=True)
-    agent = Agent(args.aggregator, client_ids, args.device, args.name, policy, args.dp_randomness)
+    agent = Agent(args.aggregator, client_ids, args.device, args.name, policy, args.dp_randomness, security)
 
     import signal
 

@@ -11,8 +11,17 @@ import grpc
 
 from clustering_service.servicer import SERVICE_NAME, ClusteringServicer
 from clustering_service.state import StateStore
-from fairfl import telemetry
-from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
+from fairfl import telemetry, tls
+from fairfl.rpc import (
+    AccessPolicy,
+    RunningServer,
+    TransportSecurity,
+    add_transport_arguments,
+    configure_logging,
+    serve_until_signal,
+    start_server,
+    transport_from_args,
+)
 from fairfl.v1 import clustering_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -21,8 +30,16 @@ DEFAULT_BIND = "0.0.0.0:50052"
 BIND_ENV = "FAIRFL_CLUSTERING_BIND"
 
 
+# Only services (the aggregator) and operators select and cluster; agents never call this service.
+ACCESS = AccessPolicy(roles={SERVICE_NAME: frozenset({tls.ROLE_SERVICE})})
+
+
 def serve(
-    bind: str, store: StateStore | None = None, client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT
+    bind: str,
+    store: StateStore | None = None,
+    client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT,
+    security: TransportSecurity | None = None,
+    health_bind: str = "",
 ) -> RunningServer:
     """Start the Clustering service (plus health and reflection) on `bind`; port 0 picks a free port."""
     telemetry.enable("clustering")
@@ -32,7 +49,7 @@ def serve(
         clustering_pb2_grpc.add_ClusteringServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    return start_server(bind, register)
+    return start_server(bind, register, security=security, policy=ACCESS, health_bind=health_bind)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,11 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     telemetry.add_metrics_arguments(parser, client_limit=True)
+    add_transport_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    security = transport_from_args(parser, args)
     try:
         metrics = telemetry.start_from_args(args, "clustering")
-        running = serve(args.bind, client_limit=args.metrics_client_limit)
+        running = serve(
+            args.bind,
+            client_limit=args.metrics_client_limit,
+            security=security,
+            health_bind=args.health_bind,
+        )
     except (OSError, RuntimeError) as err:  # grpcio raises RuntimeError when the address cannot be bound
         log.error("cannot start the clustering service on %s: %s", args.bind, err)
         return 1

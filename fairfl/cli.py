@@ -14,6 +14,7 @@ import yaml
 from fairfl.compare import add_compare_parser
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
 from fairfl.results import RunRecorder
+from fairfl.rpc import TransportSecurity, add_transport_arguments
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -50,15 +51,18 @@ def run_grpc(
     aggregator: str,
     monitor: bool = False,
     after_run: Callable[[], None] | None = None,
+    tls: bool = True,
+    security: TransportSecurity | None = None,
 ) -> None:
     """Run over gRPC; with `monitor`, a local Prometheus scrapes every process, and `after_run` is called while the
-    services (and Prometheus) are still up."""
+    services (and Prometheus) are still up. The processes this starts talk mutual TLS (an ephemeral CA in
+    out_dir/tls) unless `tls` is False; a running `aggregator` is reached with `security` (None: plaintext)."""
     from fairfl.launcher import LocalCluster
     from fairfl.monitor import Prometheus, describe
     from fairfl.rpc import open_channel
     from fairfl.v1 import control_pb2, control_pb2_grpc
 
-    cluster = LocalCluster(out_dir / "logs")
+    cluster = LocalCluster(out_dir / "logs", tls=tls and not aggregator, tls_dir=out_dir / "tls")
     prometheus: Prometheus | None = None
     with cluster:
         if not aggregator:
@@ -76,7 +80,7 @@ def run_grpc(
                 targets = cluster.metrics_targets()
                 prometheus = Prometheus.start(out_dir / "monitor", targets, port=MONITOR_PORT, scrape_interval="2s")
                 print(describe(prometheus, targets), flush=True)
-            with open_channel(aggregator) as channel:
+            with open_channel(aggregator, cluster.security if cluster.children else security) as channel:
                 control = control_pb2_grpc.RunControlStub(channel)
                 control.StartRun(
                     control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30
@@ -133,6 +137,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    security = None
+    if args.aggregator:  # a running deployment: its CA and an operator identity, or an explicit --insecure
+        from fairfl.rpc import security_from_args
+
+        try:
+            security = security_from_args(args)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.monitor:
         from fairfl.monitor import INSTALL_HINT, prometheus_binary
 
@@ -161,8 +174,46 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_inprocess(config, recorder, run_id)
         finish()
     else:
-        run_grpc(config, recorder, run_id, out_dir, args.aggregator, monitor=args.monitor, after_run=finish)
+        run_grpc(
+            config,
+            recorder,
+            run_id,
+            out_dir,
+            args.aggregator,
+            monitor=args.monitor,
+            after_run=finish,
+            tls=not args.insecure,
+            security=security,
+        )
     return 0 if result.get("state") == "RUN_STATE_COMPLETED" else 1
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from fairfl import tls
+
+    try:
+        agents = []
+        for spec in args.agent or ["agent"]:
+            name, sep, ranges = spec.partition("=")
+            if not name or "/" in name or name in (*tls.SERVICES, "operator", "ca"):
+                raise tls.TlsError(f"--agent {spec!r}: the name must be a plain word other than a service's")
+            agents.append((name, tls.parse_ranges(ranges) if sep else None))
+        if args.days < 1:
+            raise tls.TlsError(f"--days must be >= 1, got {args.days}")
+        written = tls.write_deployment(
+            args.out, args.namespace, args.cluster_domain, args.host, agents, args.days, args.force
+        )
+    except tls.TlsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"CA: {args.out / 'ca'} (keep ca.key offline: it signs new identities)")
+    for name, directory in written.items():
+        print(f"  {name:<12} {directory}/ (ca.crt, tls.crt, tls.key)")
+    print("Kubernetes Secrets (docs/deploy.md):")
+    for name, directory in written.items():
+        if name != "operator":
+            print(f"  kubectl -n {args.namespace} create secret generic fairfl-tls-{name} --from-file={directory}")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -211,7 +262,35 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="with --monitor: keep services and Prometheus up this long after the run (default: until Ctrl-C)",
     )
+    add_transport_arguments(run, server=False)
     run.set_defaults(func=cmd_run)
+    certs = sub.add_parser(
+        "certs",
+        help="create a CA and mTLS certificates for the services, an operator and agents (local or Kubernetes)",
+        description="Create (or extend) a FairFL CA in OUT/ca and one directory per identity (ca.crt, tls.crt, "
+        "tls.key): aggregator, clustering and privacy (role service; SANs for loopback and the deploy/k8s Service "
+        "names), operator (role service: for `fairfl run --aggregator`), and agents (role agent). Keep OUT/ca/ca.key "
+        "offline; each identity directory is what one Kubernetes Secret holds (docs/deploy.md).",
+    )
+    certs.add_argument("out", type=Path, help="output directory")
+    certs.add_argument(
+        "--namespace", default="fairfl", help="Kubernetes namespace of the services (default %(default)s)"
+    )
+    certs.add_argument("--cluster-domain", default="cluster.local", help="cluster DNS domain (default %(default)s)")
+    certs.add_argument(
+        "--host", action="append", default=[], help="another DNS name or IP the services are reached at (repeatable)"
+    )
+    certs.add_argument(
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NAME[=RANGES]",
+        help="an agent identity, optionally limited to client ids (e.g. site-a=0-49); repeatable. Default: one "
+        "identity `agent` that may host any client (what the Kubernetes agent StatefulSet shares)",
+    )
+    certs.add_argument("--days", type=int, default=365, help="validity of the certificates (default %(default)s)")
+    certs.add_argument("--force", action="store_true", help="replace identities that already exist in OUT")
+    certs.set_defaults(func=cmd_certs)
     serve = sub.add_parser("serve", help="run one component (aggregator, clustering, privacy, agent)")
     serve.add_argument("component", choices=["aggregator", "clustering", "privacy", "agent"])
     serve.add_argument("rest", nargs=argparse.REMAINDER, help="the component's own options")

@@ -43,7 +43,16 @@ DEFAULT_MAX_BUNDLE_BYTES = 16 * 1024**3
 
 
 class CodecError(ValueError):
-    """A payload does not match its declared spec (size, dtype, shape, digest, order)."""
+    """A payload does not match its declared spec (size, dtype, shape, digest, order).
+
+    `reason` is a fixed word for metrics (fairfl_requests_refused_total): integrity (sha256), non_finite, layout
+    (names, dtypes, shapes, payload kinds against the model or task), size (declared or received byte counts) or
+    malformed (anything else).
+    """
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def dtype_name(dtype: int) -> str:
@@ -70,7 +79,7 @@ def spec_nbytes(spec: tensor_pb2.TensorSpec) -> int:
     numel = 1
     for dim in spec.shape:
         if dim < 0:
-            raise CodecError(f"tensor {spec.name!r}: negative dimension in shape {list(spec.shape)}")
+            raise CodecError(f"tensor {spec.name!r}: negative dimension in shape {list(spec.shape)}", "layout")
         numel *= dim
     return numel * ITEMSIZE[spec.dtype]
 
@@ -164,13 +173,27 @@ def encode_bundle(tensors: Sequence[tuple[str, torch.Tensor | np.ndarray]]) -> E
 
 
 class PayloadReceiver:
-    """Collects streamed data chunks into one preallocated buffer and checks size and sha256 at the end."""
+    """Collects streamed data chunks into one preallocated buffer and checks size and sha256 at the end.
 
-    def __init__(self, total_bytes: int, sha256: str, max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES) -> None:
+    Chunks must be non-empty and at most `max_chunk_bytes` (senders cut at CHUNK_BYTES), so a stream cannot be
+    stretched into millions of empty messages, and the buffer is allocated only after the declared size passed
+    `max_bytes`. Order is covered by the digest: reordered chunks hash differently.
+    """
+
+    def __init__(
+        self,
+        total_bytes: int,
+        sha256: str,
+        max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES,
+        max_chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
             raise CodecError("the header must carry the payload's sha256 as 64 lowercase hex digits")
         if total_bytes > max_bytes:
-            raise CodecError(f"payload of {total_bytes} bytes exceeds the limit of {max_bytes} bytes")
+            raise CodecError(f"payload of {total_bytes} bytes exceeds the limit of {max_bytes} bytes", "size")
+        if total_bytes < 0:  # int64 on the wire
+            raise CodecError(f"payload of {total_bytes} bytes: a size cannot be negative", "size")
+        self.max_chunk_bytes = max_chunk_bytes
         self.total_bytes = total_bytes
         self.expected_sha256 = sha256
         self.buffer = bytearray(total_bytes)
@@ -178,25 +201,27 @@ class PayloadReceiver:
         self._digest = hashlib.sha256()
 
     def add(self, data: bytes) -> None:
+        if not 0 < len(data) <= self.max_chunk_bytes:
+            raise CodecError(f"data chunk of {len(data)} bytes: chunks carry 1..{self.max_chunk_bytes} bytes", "size")
         end = self.received + len(data)
         if end > self.total_bytes:
-            raise CodecError(f"received {end} bytes but the header declared {self.total_bytes}")
+            raise CodecError(f"received {end} bytes but the header declared {self.total_bytes}", "size")
         self.buffer[self.received : end] = data
         self._digest.update(data)
         self.received = end
 
     def finish(self) -> bytearray:
         if self.received != self.total_bytes:
-            raise CodecError(f"stream ended after {self.received} of {self.total_bytes} declared bytes")
+            raise CodecError(f"stream ended after {self.received} of {self.total_bytes} declared bytes", "size")
         if self._digest.hexdigest() != self.expected_sha256:
-            raise CodecError("payload sha256 does not match the header: data was corrupted or reordered")
+            raise CodecError("payload sha256 does not match the header: data was corrupted or reordered", "integrity")
         return self.buffer
 
 
 def validate_specs(specs: Sequence[tensor_pb2.TensorSpec], total_bytes: int) -> None:
     declared = sum(spec_nbytes(s) for s in specs)
     if declared != total_bytes:
-        raise CodecError(f"tensor specs declare {declared} bytes but the header says {total_bytes}")
+        raise CodecError(f"tensor specs declare {declared} bytes but the header says {total_bytes}", "size")
 
 
 def decode_tensors(specs: Sequence[tensor_pb2.TensorSpec], buffer: bytearray) -> list[tuple[str, torch.Tensor]]:

@@ -3,6 +3,9 @@
 Each child announces its ports on stdout (`LISTENING <grpc port> METRICS <metrics port>`; an agent, which serves no
 gRPC, says `METRICS <port>`), so nothing races for a port chosen in advance. Child logs go to files in the run
 directory; the launcher kills every child it started on exit.
+Every connection is mutual TLS by default: the cluster makes an ephemeral CA (its key never leaves this process) and
+writes one identity per child into `tls_dir` (services with role service, agents with role agent limited to their
+client range, `operator` for whoever drives the cluster: `open_channel`). `tls=False` runs plaintext instead.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fairfl.rpc import wait_for_serving
+import grpc
+
+from fairfl import tls as certs
+from fairfl.rpc import TransportSecurity, open_channel, wait_for_serving
 from fairfl.telemetry import parse_announcement
 
 STARTUP_TIMEOUT_S = 60.0
@@ -59,11 +65,47 @@ class LocalCluster:
     log_dir: Path
     python: str = sys.executable
     metrics: bool = True  # every child serves /metrics on a free loopback port
+    tls: bool = True  # mutual TLS on every connection (ephemeral CA); False: plaintext, explicitly
+    tls_dir: Path | None = None  # where identities are written; default log_dir/tls
     children: list[Child] = field(default_factory=list)
+    security: TransportSecurity | None = field(init=False, default=None)  # the operator's identity (role service)
+    _certs: certs.LocalCertificates | None = field(init=False, default=None)
 
-    def spawn(self, name: str, module: str, args: list[str], announce: bool, wait: bool = True) -> Child:
-        """Start `python -m module`; with `announce`, its stdout carries the port line, read now unless not `wait`."""
+    def __post_init__(self) -> None:
+        if self.tls:
+            self._certs = certs.LocalCertificates(self.tls_dir or self.log_dir / "tls")
+            self.security = self.issue("operator", certs.ROLE_SERVICE)
+
+    def issue(self, name: str, role: str, clients: list[tuple[int, int]] | None = None) -> TransportSecurity | None:
+        """A new identity signed by this cluster's CA (None on a plaintext cluster): for children, and for tests
+        that play agents or operators."""
+        if self._certs is None:
+            return None
+        return TransportSecurity.from_dir(self._certs.issue(name, role, clients))
+
+    def open_channel(self, address: str, security: TransportSecurity | None = None) -> grpc.Channel:
+        """A channel to one of the children, as the operator (or as `security`)."""
+        return open_channel(address, security or self.security)
+
+    def _transport_args(self, name: str, role: str, clients: list[tuple[int, int]] | None) -> list[str]:
+        if self._certs is None:
+            return ["--insecure"]
+        return ["--tls-dir", str(self._certs.issue(name, role, clients))]
+
+    def spawn(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        announce: bool,
+        wait: bool = True,
+        role: str = certs.ROLE_SERVICE,
+        clients: list[tuple[int, int]] | None = None,
+    ) -> Child:
+        """Start `python -m module` as identity `name` with `role`; with `announce`, its stdout carries the port
+        line, read now unless not `wait`."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        args = [*args, *self._transport_args(name, role, clients)]
         log_path = self.log_dir / f"{name}.log"
         log_file = log_path.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -84,7 +126,7 @@ class LocalCluster:
 
     def start_service(self, name: str, module: str, args: list[str]) -> Child:
         child = self.spawn(name, module, ["--bind", "127.0.0.1:0", *args], announce=True)
-        wait_for_serving(child.address, timeout=STARTUP_TIMEOUT_S)
+        wait_for_serving(child.address, timeout=STARTUP_TIMEOUT_S, security=self.security)
         return child
 
     def start_services(self, state_dir: Path) -> tuple[Child, Child, Child]:
@@ -118,6 +160,8 @@ class LocalCluster:
                     ],
                     announce=self.metrics,  # an agent announces only its metrics port
                     wait=False,  # agents start in parallel; their lines are read below
+                    role=certs.ROLE_AGENT,
+                    clients=[(lo, hi)],  # its certificate lets it host exactly its range
                 )
             )
         if self.metrics:

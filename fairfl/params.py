@@ -51,14 +51,18 @@ class ParamLayout:
     def check_specs(self, specs: list[tensor_pb2.TensorSpec]) -> None:
         """Raise CodecError naming the first tensor whose name, dtype or shape differs from the model's."""
         if len(specs) != len(self.names):
-            raise codec.CodecError(f"expected {len(self.names)} tensors matching the model, got {len(specs)}")
+            raise codec.CodecError(f"expected {len(self.names)} tensors matching the model, got {len(specs)}", "layout")
         for spec, name, shape in zip(specs, self.names, self.shapes, strict=True):
             if spec.name != name:
-                raise codec.CodecError(f"tensor {spec.name!r} where the model has {name!r}")
+                raise codec.CodecError(f"tensor {spec.name[:100]!r} where the model has {name!r}", "layout")
             if spec.dtype != tensor_pb2.DTYPE_FLOAT32:
-                raise codec.CodecError(f"tensor {name!r}: dtype {codec.dtype_name(spec.dtype)}, expected DTYPE_FLOAT32")
+                raise codec.CodecError(
+                    f"tensor {name!r}: dtype {codec.dtype_name(spec.dtype)}, expected DTYPE_FLOAT32", "layout"
+                )
             if tuple(spec.shape) != shape:
-                raise codec.CodecError(f"tensor {name!r}: shape {list(spec.shape)}, expected {list(shape)}")
+                raise codec.CodecError(
+                    f"tensor {name!r}: shape {list(spec.shape)[:8]}, expected {list(shape)}", "layout"
+                )
 
     def encode(self, flat: torch.Tensor) -> codec.EncodedBundle:
         return codec.encode_bundle(self.split(flat.detach().to(torch.float32).contiguous()))

@@ -29,6 +29,9 @@ EVALUATE = federation_pb2.PHASE_EVALUATE
 PROBE = federation_pb2.PHASE_PROBE
 
 NAN = float("nan")
+# Limits on what a result header may carry besides the payload (which the model's layout bounds exactly).
+MAX_RESULT_METRICS = 64
+MAX_SIGNATURE_VALUES = 1 << 16  # bias update (one value per class) and activation vectors
 
 
 @dataclass
@@ -99,14 +102,24 @@ class ResultAssembler:
         self.layout = layout
         kinds = [p.kind for p in header.payloads]
         if len(set(kinds)) != len(kinds):
-            raise codec.CodecError("a payload kind appears twice in the result header")
+            raise codec.CodecError("a payload kind appears twice in the result header", "layout")
         for payload in header.payloads:
             if payload.kind not in (UPDATE, GRADIENT, FIRST_STEP_UPDATE):
-                raise codec.CodecError(f"unknown payload kind {payload.kind}")
+                raise codec.CodecError(f"unknown payload kind {payload.kind}", "layout")
             layout.check_specs(list(payload.tensors))
         expected = layout.nbytes * len(header.payloads)
         if header.total_bytes != expected:
-            raise codec.CodecError(f"header declares {header.total_bytes} payload bytes, the model needs {expected}")
+            raise codec.CodecError(
+                f"header declares {header.total_bytes} payload bytes, the model needs {expected}", "size"
+            )
+        if len(header.metrics) > MAX_RESULT_METRICS:
+            raise codec.CodecError(f"{len(header.metrics)} metrics in the header; at most {MAX_RESULT_METRICS}", "size")
+        names = [m.name for m in header.metrics]
+        if len(set(names)) != len(names):
+            raise codec.CodecError("a metric name appears twice in the result header")
+        bad = [m.name[:64] for m in header.metrics if not math.isfinite(m.value)]
+        if bad:  # strategies and the engine read them (local_steps, train_loss)
+            raise codec.CodecError(f"metrics {bad[:5]} are NaN or infinite", "non_finite")
         self.receiver = codec.PayloadReceiver(header.total_bytes, header.sha256, max_bytes=expected)
 
     def add(self, data: bytes) -> None:
@@ -121,7 +134,7 @@ class ResultAssembler:
             flat = torch.frombuffer(buffer, dtype=torch.float32, count=self.layout.numel, offset=start)
             if not bool(torch.isfinite(flat).all()):
                 raise codec.CodecError(
-                    f"{federation_pb2.PayloadKind.Name(payload.kind)} contains NaN or infinite values"
+                    f"{federation_pb2.PayloadKind.Name(payload.kind)} contains NaN or infinite values", "non_finite"
                 )
             payloads[payload.kind] = flat
         result = ClientResult(
@@ -155,14 +168,14 @@ def check_result(result: ClientResult) -> None:
         for name in ("loss_before", "loss_after"):
             value = getattr(result, name)
             if math.isinf(value) or value < 0:
-                raise codec.CodecError(f"{name} must be a finite number >= 0, got {value}")
+                raise codec.CodecError(f"{name} must be a finite number >= 0, got {value}", "non_finite")
         if result.phase == PROBE and math.isnan(result.loss_before):
             raise codec.CodecError("loss_before must be a finite number >= 0 in a probe result, got nan")
     if result.phase == TRAIN:
         if UPDATE not in result.payloads:
             raise codec.CodecError("a training result must carry an UPDATE payload")
         if math.isinf(result.noisy_loss):  # NaN = no loss released; a release is any finite number (noise may be < 0)
-            raise codec.CodecError(f"noisy_loss must be finite when released, got {result.noisy_loss}")
+            raise codec.CodecError(f"noisy_loss must be finite when released, got {result.noisy_loss}", "non_finite")
     if result.phase == PROBE and result.payloads.keys() - {GRADIENT}:
         raise codec.CodecError("a probe result may carry only a GRADIENT payload")
     if result.phase == EVALUATE:
@@ -188,7 +201,9 @@ def check_against_task(result: ClientResult, task: federation_pb2.Task) -> None:
     if got != expected:
         names = sorted(federation_pb2.PayloadKind.Name(k) for k in expected) or ["none"]
         sent = sorted(federation_pb2.PayloadKind.Name(k) for k in got) or ["none"]
-        raise codec.CodecError(f"the task asks for payloads {', '.join(names)}; the result has {', '.join(sent)}")
+        raise codec.CodecError(
+            f"the task asks for payloads {', '.join(names)}; the result has {', '.join(sent)}", "layout"
+        )
     if task.phase == TRAIN and losses_owed(task.train):
         for name in ("loss_before", "loss_after"):
             if math.isnan(getattr(result, name)):
@@ -207,10 +222,19 @@ def losses_owed(train: federation_pb2.LocalTrainingConfig) -> bool:
 def _small_vector(header: federation_pb2.ResultHeader, field_name: str) -> np.ndarray | None:
     if not header.HasField(field_name):
         return None
-    tensor = codec.tensor_from_proto(getattr(header, field_name))
-    if tensor.dim() != 1 or not tensor.is_floating_point():
-        raise codec.CodecError(f"{field_name} must be a 1-D float vector, got shape {list(tensor.shape)}")
+    message = getattr(header, field_name)
+    if len(message.spec.shape) != 1 or not 0 < message.spec.shape[0] <= MAX_SIGNATURE_VALUES:
+        raise codec.CodecError(
+            f"{field_name} must be a 1-D float vector of 1..{MAX_SIGNATURE_VALUES} values, got shape "
+            f"{list(message.spec.shape)[:8]}",
+            "layout",
+        )
+    tensor = codec.tensor_from_proto(message)
+    if not tensor.is_floating_point():
+        raise codec.CodecError(
+            f"{field_name} must be a 1-D float vector, got {codec.dtype_name(message.spec.dtype)}", "layout"
+        )
     array = tensor.to(torch.float64).numpy().copy()
     if not np.isfinite(array).all():
-        raise codec.CodecError(f"{field_name} contains NaN or infinite values")
+        raise codec.CodecError(f"{field_name} contains NaN or infinite values", "non_finite")
     return array

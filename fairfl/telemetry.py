@@ -138,6 +138,14 @@ GRPC_SENT_BYTES = _counter(
     ["service", "method"],
     on=GRPC_SERVERS,
 )
+REQUESTS_REFUSED = _counter(
+    "requests_refused_total",
+    "Requests refused by an access, rate or input check, by gRPC service and reason (a fixed word: role, "
+    "rate_limited, concurrency, identity, replay, late, unknown, mismatch, integrity, non_finite, layout, size, "
+    "malformed). TLS handshakes refused for a missing or foreign certificate never become requests.",
+    ["service", "reason"],
+    on=GRPC_SERVERS,
+)
 
 # --- aggregator: runs and rounds -------------------------------------------------------------------------------------
 

@@ -11,8 +11,17 @@ from collections.abc import Sequence
 
 import grpc
 
-from fairfl import telemetry
-from fairfl.rpc import RunningServer, configure_logging, serve_until_signal, start_server
+from fairfl import telemetry, tls
+from fairfl.rpc import (
+    AccessPolicy,
+    RunningServer,
+    TransportSecurity,
+    add_transport_arguments,
+    configure_logging,
+    serve_until_signal,
+    start_server,
+    transport_from_args,
+)
 from fairfl.v1 import privacy_pb2_grpc
 from privacy_service.ledger import Ledger, SqliteLedger
 from privacy_service.servicer import SERVICE_NAME, PrivacyServicer
@@ -35,7 +44,17 @@ class PrivacyServer(RunningServer):
             self.ledger.close()
 
 
-def serve(bind: str, db_path: str, client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT) -> PrivacyServer:
+# Only services (the aggregator) and operators touch the ledger; agents never call this service.
+ACCESS = AccessPolicy(roles={SERVICE_NAME: frozenset({tls.ROLE_SERVICE})})
+
+
+def serve(
+    bind: str,
+    db_path: str,
+    client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT,
+    security: TransportSecurity | None = None,
+    health_bind: str = "",
+) -> PrivacyServer:
     """Open (or create) the ledger at `db_path` and serve fairfl.v1.Privacy on `bind` ("host:port", port 0 = any)."""
     telemetry.enable("privacy")
     ledger = SqliteLedger(db_path)
@@ -45,11 +64,18 @@ def serve(bind: str, db_path: str, client_limit: int = telemetry.DEFAULT_CLIENT_
         return [SERVICE_NAME]
 
     try:
-        running = start_server(bind, register)
+        running = start_server(bind, register, security=security, policy=ACCESS, health_bind=health_bind)
     except BaseException:
         ledger.close()
         raise
-    return PrivacyServer(server=running.server, port=running.port, health=running.health, ledger=ledger)
+    return PrivacyServer(
+        server=running.server,
+        port=running.port,
+        health=running.health,
+        health_server=running.health_server,
+        health_port=running.health_port,
+        ledger=ledger,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,11 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
     telemetry.add_metrics_arguments(parser, client_limit=True)
+    add_transport_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    security = transport_from_args(parser, args)
     try:
         metrics = telemetry.start_from_args(args, "privacy")
-        running = serve(args.bind, args.db, args.metrics_client_limit)
+        running = serve(args.bind, args.db, args.metrics_client_limit, security, args.health_bind)
     except Exception as err:  # unusable address or ledger file: say so instead of a traceback
         log.error("cannot start the privacy service: %s", err)
         return 1

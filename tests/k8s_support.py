@@ -26,6 +26,9 @@ PART_OF = {"app.kubernetes.io/part-of": "fairfl"}
 
 # The fixed ports every manifest, scrape config and dashboard agrees on.
 GRPC_PORTS = {"aggregator": 50051, "clustering": 50052, "privacy": 50053}
+# Plaintext grpc.health.v1 only, for kubelet gRPC probes (the gRPC ports speak mutual TLS).
+HEALTH_PORTS = {"aggregator": 50061, "clustering": 50062, "privacy": 50063}
+TLS_MOUNT = "/etc/fairfl-tls"
 METRICS_PORTS = {"aggregator": 9091, "clustering": 9092, "privacy": 9093, "agent": 9094}
 COMPONENTS = ("aggregator", "clustering", "privacy", "agent")
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "ReplicaSet", "Pod"}

@@ -31,7 +31,7 @@ from fairfl.config import ExperimentConfig, experiment_from_dict, experiment_fro
 from fairfl.launcher import LocalCluster
 from fairfl.params import ParamLayout
 from fairfl.protocol import EVALUATE, TRAIN, UPDATE, ClientResult, encode_result
-from fairfl.rpc import open_channel
+from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc, tensor_pb2
 
 pytestmark = pytest.mark.integration
@@ -294,16 +294,16 @@ EXPECTED: dict[str, tuple[Code | tuple[Code, ...], list[str]]] = {
     "no_header": (Code.INVALID_ARGUMENT, ["must start with a ResultHeader"]),
     "empty_stream": (Code.INVALID_ARGUMENT, ["must start with a ResultHeader"]),
     "second_header": (Code.INVALID_ARGUMENT, ["{task}", "second header"]),
-    "duplicate": (Code.FAILED_PRECONDITION, ["{task}", "already accepted"]),
+    "duplicate": (Code.PERMISSION_DENIED, ["{task}", "already accepted", "replay"]),
     "eval_accuracy_out_of_range": (Code.INVALID_ARGUMENT, ["{task}", "test_accuracy", "150"]),
     "eval_nan_test_loss": (Code.INVALID_ARGUMENT, ["{task}", "test_loss", "nan"]),
     "eval_with_payload": (Code.INVALID_ARGUMENT, ["{task}", "evaluation result carries no tensor payload"]),
     "eval_wrong_phase": (Code.INVALID_ARGUMENT, ["phase"]),
     # a withheld result arriving after its round closed the task at the deadline is late
     "closed_round_evaluation": (Code.FAILED_PRECONDITION, ["{task}", "closed", "round 1 closed it at its deadline"]),
-    # an accepted result sent again later is a duplicate, whatever round is running by then
-    "closed_round_train": (Code.FAILED_PRECONDITION, ["{task}", "closed", "already accepted"]),
-    "after_run_end": (Code.FAILED_PRECONDITION, ["{task}", "closed", "already accepted"]),
+    # an accepted result sent again later is a replay, whatever round is running by then
+    "closed_round_train": (Code.PERMISSION_DENIED, ["{task}", "closed", "already accepted"]),
+    "after_run_end": (Code.PERMISSION_DENIED, ["{task}", "closed", "already accepted"]),
 }
 
 
@@ -488,9 +488,14 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     cluster = LocalCluster(logs)
     try:
         address = start_aggregator(cluster)
-        with open_channel(address) as channel:
+        # mTLS like every launched process: the test drives runs as the operator and plays both agents with one
+        # agent certificate (so "other agent" cases are refused by agent id, not by certificate).
+        with (
+            cluster.open_channel(address) as channel,
+            cluster.open_channel(address, cluster.issue("driver", ROLE_AGENT)) as agent_channel,
+        ):
             control = control_pb2_grpc.RunControlStub(channel)
-            driver = Driver(channel, config)
+            driver = Driver(agent_channel, config)
             driver.register()
             control.StartRun(
                 control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=RUN_ID), timeout=RPC_TIMEOUT
@@ -618,11 +623,11 @@ def test_round_events_count_rejected_results(observed: Observed) -> None:
     duplicate = observed.submissions["duplicate"]
     assert duplicate.phase_open, "the duplicate must have been sent while the phase still waited for a result"
     for event in observed.rounds:
+        after_close = [s for s in _train_submissions(observed, event.round) if "closed" in s.details]
         expected = sum(
             1
             for s in _train_submissions(observed, event.round)
-            if (s.task_open and s.code != Code.FAILED_PRECONDITION)
-            or (s.code == Code.FAILED_PRECONDITION and s.phase_open)
+            if (s.task_open and s not in after_close) or (s in after_close and s.phase_open)
         )
         assert event.results_rejected == expected, f"round {event.round}"
     assert observed.rounds[0].results_rejected >= 16  # the many malformed variants of round 1, and the duplicate

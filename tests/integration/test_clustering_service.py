@@ -55,7 +55,8 @@ def _launch(log_path: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     with log_path.open("w") as log:  # logs go to a file so a chatty child can never block on a full pipe
         return subprocess.Popen(
-            [sys.executable, "-m", "clustering_service", "--bind", "127.0.0.1:0"],
+            # Plaintext, asked for explicitly (mTLS and roles: tests/integration/test_security.py).
+            [sys.executable, "-m", "clustering_service", "--bind", "127.0.0.1:0", "--insecure"],
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,

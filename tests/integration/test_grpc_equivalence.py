@@ -17,7 +17,6 @@ from fairfl import codec
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.data.datasets import DatasetNotFoundError, load_dataset
 from fairfl.launcher import LocalCluster
-from fairfl.rpc import open_channel
 from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_grpc
 
 STRATEGY_PARAMS = {"fedavg": {}, "fedeba_plus": {"alpha": 0.9, "tau": 0.1}}
@@ -61,12 +60,12 @@ def run_over_grpc(config: ExperimentConfig, workdir: Path) -> tuple[torch.Tensor
         aggregator, _clustering, privacy = cluster.start_services(workdir)
         agents = cluster.start_agents(aggregator.address, config.data.num_clients, config.runtime.agents, "cpu", 1)
         assert len({a.process.pid for a in agents} | {aggregator.process.pid, privacy.process.pid}) == 4
-        with open_channel(aggregator.address) as channel:
+        with cluster.open_channel(aggregator.address) as channel:  # mTLS as the launcher's operator
             control = control_pb2_grpc.RunControlStub(channel)
             control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id="eq"), timeout=30)
             events = list(control.WatchRun(control_pb2.WatchRunRequest(run_id="eq"), timeout=300))
             params = fetch_model(control, "eq")
-        with open_channel(privacy.address) as channel:
+        with cluster.open_channel(privacy.address) as channel:
             spend = privacy_pb2_grpc.PrivacyStub(channel).GetSpend(privacy_pb2.GetSpendRequest(run_id="eq"), timeout=10)
         agent_logs = "".join((workdir / "logs" / f"agent-{i}.log").read_text() for i in range(2))
     return params, events, agent_logs + f"\nrounds_recorded={spend.rounds_recorded}"

@@ -14,6 +14,8 @@ What differs from the pod, and nothing else:
   directory; a ConfigMap volume gets the rendered ConfigMap's files.
 - An agent's hostname, its StatefulSet pod name `fairfl-agent-<ordinal>`, from which it derives its clients, is set
   by replacing socket.gethostname in the child before the CLI runs.
+- A Secret volume gets the files of the identity docs/deploy.md creates that Secret from: `fairfl certs DIR` is run
+  once and Secret `fairfl-tls-<name>` holds DIR/<name>/ (ca.crt, tls.crt, tls.key), as `--from-file` would.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 import grpc
 import pytest
 
-from fairfl.rpc import open_channel, wait_for_serving
+from fairfl.rpc import TransportSecurity, open_channel, wait_for_serving
 from fairfl.v1 import privacy_pb2, privacy_pb2_grpc
 from tests.k8s_support import (
     COMPONENTS,
@@ -73,6 +75,7 @@ class Pod:
     process: subprocess.Popen[str] | None = None
     log: list[str] = field(default_factory=list)
     grpc_port: int = 0
+    health_port: int = 0
     announced_grpc_port: int = 0
     metrics_port: int = 0
     announced: threading.Event = field(default_factory=threading.Event)
@@ -127,7 +130,21 @@ def _cli_argv(container: dict[str, Any], hostname: str | None) -> list[str]:
     return [sys.executable, "-c", HOSTNAME_SHIM.format(hostname=hostname), *command[1:]]
 
 
-def _make_pod(docs: list[dict[str, Any]], w: Workload, name: str, tmp: Path, hostname: str | None) -> Pod:
+def _make_certs(tmp: Path) -> Path:
+    """The identities docs/deploy.md makes the Secrets from, by the documented command."""
+    out = tmp / "certs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairfl.cli", "certs", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _make_pod(docs: list[dict[str, Any]], w: Workload, name: str, tmp: Path, hostname: str | None, certs: Path) -> Pod:
     c = w.container
     root = tmp / name
     mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
@@ -140,6 +157,12 @@ def _make_pod(docs: list[dict[str, Any]], w: Workload, name: str, tmp: Path, hos
         if config_map:
             for key, text in find(docs, "ConfigMap", config_map["name"])["data"].items():
                 (target / key).write_text(text)
+        secret = volumes.get(mount["name"], {}).get("secret")
+        if secret:
+            identity = certs / secret["secretName"].removeprefix("fairfl-tls-")
+            assert identity.is_dir(), f"no `fairfl certs` identity for Secret {secret['secretName']}"
+            for file in identity.iterdir():
+                (target / file.name).write_bytes(file.read_bytes())
     image_env = _image_env()
     workdir = parse_dockerfile().stage("runtime").last("WORKDIR")
     assert workdir in mounts and image_env["HOME"] in mounts, "the home directory must be a writable mount"
@@ -163,7 +186,11 @@ def _free_port() -> int:
 def _bind(pod: Pod) -> None:
     """Listen on loopback: the gRPC bind on a free port, the metrics endpoint on port 0 (announced)."""
     for key, value in list(pod.env.items()):
-        if key.endswith("_BIND"):
+        if key == "FAIRFL_HEALTH_BIND":
+            assert value.startswith("0.0.0.0:"), (key, value)
+            pod.health_port = _free_port()
+            pod.env[key] = f"127.0.0.1:{pod.health_port}"
+        elif key.endswith("_BIND"):
             assert value.startswith("0.0.0.0:"), (key, value)
             pod.grpc_port = _free_port()
             pod.env[key] = f"127.0.0.1:{pod.grpc_port}"
@@ -200,6 +227,7 @@ class LocalDeployment:
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     docs = render_overlay("dev")
     tmp = tmp_path_factory.mktemp("pods")
+    certs = _make_certs(tmp)
     comp = by_component(docs)
     pods: dict[str, Pod] = {}
     for name in COMPONENTS:
@@ -207,7 +235,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeploy
         ordinals = range(w.replicas) if w.kind == "StatefulSet" else [None]
         for ordinal in ordinals:
             pod_name = f"{w.name}-{ordinal}" if ordinal is not None else w.name  # a StatefulSet pod's hostname
-            pods[pod_name] = _make_pod(docs, w, pod_name, tmp, pod_name if name == "agent" else None)
+            pods[pod_name] = _make_pod(docs, w, pod_name, tmp, pod_name if name == "agent" else None, certs)
             _bind(pods[pod_name])
     try:
         for pod in pods.values():  # all at once, as a fresh deployment starts: agents retry until the aggregator is up
@@ -255,9 +283,17 @@ def test_every_dev_workload_was_started(deployment: LocalDeployment) -> None:
 def test_service_reports_serving_as_its_grpc_probe_asks(deployment: LocalDeployment, component: str) -> None:
     pod = deployment.one(component)
     assert pod.announced_grpc_port == pod.grpc_port, pod.output()
-    # A kubelet gRPC probe without `service` asks for the server's overall status: the empty service name.
-    wait_for_serving(f"127.0.0.1:{pod.grpc_port}", timeout=STARTUP_S, service="")
+    # A kubelet gRPC probe without `service` asks for the server's overall status, in plaintext: the health port.
+    wait_for_serving(f"127.0.0.1:{pod.health_port}", timeout=STARTUP_S, service="")
+    # The gRPC port itself answers only mTLS with a certificate of the deployment's CA (here: the pod's own).
+    wait_for_serving(f"127.0.0.1:{pod.grpc_port}", timeout=10, security=_pod_security(pod))
+    with pytest.raises(TimeoutError):
+        wait_for_serving(f"127.0.0.1:{pod.grpc_port}", timeout=1)
     assert pod.process is not None and pod.process.poll() is None
+
+
+def _pod_security(pod: Pod) -> TransportSecurity:
+    return TransportSecurity.from_dir(pod.env["FAIRFL_TLS_DIR"])
 
 
 def test_privacy_ledger_is_on_the_volume(deployment: LocalDeployment) -> None:
@@ -307,7 +343,8 @@ def test_run_submitted_as_documented_completes(deployment: LocalDeployment) -> N
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{aggregator.output()}"
     run_id = re.search(r"FairFL run (\S+):", proc.stdout).group(1)
-    with open_channel(f"127.0.0.1:{deployment.one('privacy').grpc_port}") as channel:
+    # As the aggregator (a service identity): agents may not read the ledger.
+    with open_channel(f"127.0.0.1:{deployment.one('privacy').grpc_port}", _pod_security(aggregator)) as channel:
         try:
             privacy_pb2_grpc.PrivacyStub(channel).GetSpend(privacy_pb2.GetSpendRequest(run_id=run_id), timeout=10)
         except grpc.RpcError as err:

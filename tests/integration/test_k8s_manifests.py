@@ -22,11 +22,13 @@ from fairfl.config import experiment_from_yaml
 from tests.k8s_support import (
     COMPONENTS,
     GRPC_PORTS,
+    HEALTH_PORTS,
     K8S,
     METRICS_PORTS,
     NAMESPACE,
     OVERLAYS,
     REPO,
+    TLS_MOUNT,
     Workload,
     by_component,
     container_ports,
@@ -134,8 +136,10 @@ def test_every_container_has_probes(overlay: tuple[str, list[dict[str, Any]]]) -
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c.get(kind)
             assert probe, f"{w.name}/{c['name']}: no {kind}"
-            if w.component in GRPC_PORTS:  # a gRPC service: native gRPC probe against grpc.health.v1
-                assert probe.get("grpc", {}).get("port") == ports["grpc"] == GRPC_PORTS[w.component], (w.name, kind)
+            if w.component in GRPC_PORTS:  # a gRPC service: native gRPC probe against its plaintext health port
+                port = HEALTH_PORTS[w.component]
+                assert probe.get("grpc", {}).get("port") == ports["health"] == port, (w.name, kind)
+                assert env_of(c)["FAIRFL_HEALTH_BIND"] == f"0.0.0.0:{port}", "the health port the probes ask"
             else:  # the agent serves no gRPC: its metrics endpoint answers its probes
                 get = probe.get("httpGet")
                 assert get and get["path"] == "/metrics", (w.name, kind)
@@ -190,7 +194,7 @@ def test_read_only_root_leaves_the_writable_paths_the_code_needs(overlay: tuple[
         mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
         assert "/tmp" in mounts and "/home/fairfl" in mounts, f"{w.name}: /tmp and $HOME must be writable"
         for m in mounts.values():
-            assert m["mountPath"] in ("/etc/fairfl",) or not m.get("readOnly"), m
+            assert m["mountPath"] in ("/etc/fairfl", TLS_MOUNT) or not m.get("readOnly"), m
         db = env_of(c).get("FAIRFL_PRIVACY_DB")
         if db is not None:
             parent = str(Path(db).parent)
@@ -271,6 +275,27 @@ def test_service_addresses_reach_the_right_component(overlay: tuple[str, list[di
         bind = {"aggregator": "FAIRFL_AGGREGATOR_BIND", "clustering": "FAIRFL_CLUSTERING_BIND"}.get(dst)
         bind = bind or "FAIRFL_PRIVACY_BIND"
         assert env_of(w.container)[bind] == f"0.0.0.0:{port}", f"{dst} must listen where its Service points"
+
+
+def test_every_component_speaks_mutual_tls_with_its_own_secret(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """Each workload mounts the Secret of its own identity (the directory `fairfl certs` writes for it) read-only
+    where FAIRFL_TLS_DIR points, readable by its fsGroup only, and nothing asks for plaintext."""
+    from fairfl import tls
+
+    _, docs = overlay
+    assert set(by_component(docs)) == {*tls.SERVICES, "agent"}, "one `fairfl certs` identity per component"
+    for name, w in by_component(docs).items():
+        env = env_of(w.container)
+        assert env["FAIRFL_TLS_DIR"] == TLS_MOUNT and "FAIRFL_INSECURE" not in env, name
+        mount = {m["mountPath"]: m for m in w.container["volumeMounts"]}[TLS_MOUNT]
+        assert mount["readOnly"] is True
+        secret = {v["name"]: v for v in w.pod_spec["volumes"]}[mount["name"]]["secret"]
+        assert secret["secretName"] == f"fairfl-tls-{name}", name
+        assert secret["defaultMode"] & 0o007 == 0, f"{name}: the key must not be world-readable"
+        assert w.pod_spec["securityContext"]["fsGroup"] == w.pod_spec["securityContext"]["runAsGroup"]
+    for svc in of_kind(docs, "Service"):
+        for port in svc["spec"]["ports"]:
+            assert port.get("appProtocol") != "kubernetes.io/h2c", "gRPC ports speak TLS, not cleartext HTTP/2"
 
 
 def test_metrics_ports_are_fixed_and_configured(overlay: tuple[str, list[dict[str, Any]]]) -> None:
@@ -617,6 +642,8 @@ def test_docs_cover_the_deployment() -> None:
         "grafana",
         "python deploy/k8s/sync_monitoring.py",
         "--target runtime-cuda",
+        "fairfl certs",
+        "create secret generic fairfl-tls-",
     ):
         assert needle.lower() in text.lower(), needle
     for match in re.finditer(r"deploy/k8s/[\w/.-]+", text):

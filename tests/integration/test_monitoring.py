@@ -24,7 +24,6 @@ from fairfl.config import experiment_from_dict
 from fairfl.launcher import LocalCluster
 from fairfl.monitor import Prometheus, prometheus_binary
 from fairfl.results import RunRecorder
-from fairfl.rpc import open_channel
 from fairfl.telemetry import catalog_for
 from fairfl.v1 import control_pb2, control_pb2_grpc
 
@@ -103,7 +102,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         prometheus = Prometheus.start(work / "monitor", targets, scrape_interval="1s") if prometheus_binary() else None
         try:
             recorder = RunRecorder(CONFIG, quiet=True)
-            with open_channel(aggregator.address) as channel:
+            with cluster.open_channel(aggregator.address) as channel:
                 control = control_pb2_grpc.RunControlStub(channel)
                 control.StartRun(
                     control_pb2.StartRunRequest(experiment_yaml=CONFIG.to_yaml(), run_id=RUN_ID), timeout=30

@@ -15,7 +15,7 @@ from aggregator_service.dp import round_events
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.launcher import LocalCluster
 from fairfl.privacy import RANDOMNESS_ENV
-from fairfl.rpc import open_channel
+from fairfl.rpc import TransportSecurity, open_channel
 from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_grpc
 from privacy_service import accountant
 
@@ -56,8 +56,8 @@ def uninterrupted_epsilon(config: ExperimentConfig, rounds: int) -> float:
     return accountant.epsilon(specs, config.privacy.delta)[0]
 
 
-def spend(address: str, run_id: str) -> privacy_pb2.GetSpendReply:
-    with open_channel(address) as channel:
+def spend(address: str, run_id: str, security: TransportSecurity | None) -> privacy_pb2.GetSpendReply:
+    with open_channel(address, security) as channel:
         return privacy_pb2_grpc.PrivacyStub(channel).GetSpend(privacy_pb2.GetSpendRequest(run_id=run_id), timeout=10)
 
 
@@ -72,7 +72,7 @@ def test_privacy_service_killed_mid_run_loses_nothing_and_counts_nothing_twice(
         aggregator, _clustering, privacy = cluster.start_services(tmp_path)
         port = privacy.port
         cluster.start_agents(aggregator.address, config.data.num_clients, config.runtime.agents, "cpu", 1)
-        with open_channel(aggregator.address) as channel:
+        with cluster.open_channel(aggregator.address) as channel:
             control = control_pb2_grpc.RunControlStub(channel)
             control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id="crash"), timeout=30)
             events = []
@@ -93,7 +93,7 @@ def test_privacy_service_killed_mid_run_loses_nothing_and_counts_nothing_twice(
         rounds = [e.round for e in events if e.HasField("round")]
         assert [r.round for r in rounds] == list(range(1, ROUNDS + 1))
 
-        reply = spend(f"127.0.0.1:{port}", "crash")
+        reply = spend(f"127.0.0.1:{port}", "crash", cluster.security)
         want = uninterrupted_epsilon(config, ROUNDS)
         assert reply.rounds_recorded == ROUNDS
         assert len(reply.spends) == config.data.num_clients
@@ -103,7 +103,7 @@ def test_privacy_service_killed_mid_run_loses_nothing_and_counts_nothing_twice(
         assert rounds[-1].epsilon_spent == pytest.approx(want, rel=1e-12)
 
         # A replayed call (the same round, the same events) is acknowledged and adds nothing.
-        with open_channel(f"127.0.0.1:{port}") as channel:
+        with cluster.open_channel(f"127.0.0.1:{port}") as channel:
             stub = privacy_pb2_grpc.PrivacyStub(channel)
             from aggregator_service.peers import _MECHANISM_ENUM
 
@@ -123,7 +123,7 @@ def test_privacy_service_killed_mid_run_loses_nothing_and_counts_nothing_twice(
             )
             again = stub.AuthorizeRound(request, timeout=10)
             assert again.granted and again.replayed
-        after = spend(f"127.0.0.1:{port}", "crash")
+        after = spend(f"127.0.0.1:{port}", "crash", cluster.security)
         assert [s.epsilon for s in after.spends] == [s.epsilon for s in reply.spends]
         assert after.rounds_recorded == ROUNDS
     # The run went on across the restart: rounds were recorded before the kill and after the restart, and the round

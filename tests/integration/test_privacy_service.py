@@ -36,7 +36,9 @@ class Service:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         with open(log, "a") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "privacy_service", "--bind", "127.0.0.1:0", "--db", str(db)],
+                # Plaintext, asked for explicitly: this tests the ledger service; tests/integration/test_security.py
+                # covers its mTLS and who may call it.
+                [sys.executable, "-m", "privacy_service", "--bind", "127.0.0.1:0", "--db", str(db), "--insecure"],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,

@@ -1,0 +1,186 @@
+"""Certificates and identities (fairfl.tls), `fairfl certs`, the transport options, the rate limiter and the payload
+limits of fairfl.codec. The end-to-end checks with real processes are in tests/integration/test_security.py."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from fairfl import cli, codec, tls
+from fairfl.rpc import CHUNK_BYTES, RateLimiter, TransportSecurity, add_transport_arguments, security_from_args
+
+
+@pytest.fixture(scope="module")
+def ca() -> tls.CertificateAuthority:
+    return tls.CertificateAuthority.create()
+
+
+def _sans(pem: bytes) -> tuple[set[str], set[str], set[str]]:
+    ext = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return (
+        set(ext.get_values_for_type(x509.DNSName)),
+        {str(ip) for ip in ext.get_values_for_type(x509.IPAddress)},
+        set(ext.get_values_for_type(x509.UniformResourceIdentifier)),
+    )
+
+
+def test_identity_carries_name_role_and_clients(ca: tls.CertificateAuthority) -> None:
+    issued = ca.issue("site-a", tls.ROLE_AGENT, clients=[(0, 49), (60, 60)])
+    identity = tls.identity_of(issued.cert_pem)
+    assert (identity.name, identity.role, identity.clients) == ("site-a", "agent", ((0, 49), (60, 60)))
+    assert identity.unauthorized([0, 49, 60]) == []
+    assert identity.unauthorized([50, 3, 61, 50]) == [50, 61]
+    assert "agent certificate 'site-a'" in identity.describe()
+    anyone = tls.identity_of(ca.issue("agent", tls.ROLE_AGENT).cert_pem)
+    assert anyone.clients is None and anyone.unauthorized([0, 10**9]) == []
+
+
+def test_service_certificates_name_their_hosts_and_agents_none(ca: tls.CertificateAuthority) -> None:
+    dns, ips, uris = _sans(ca.issue("aggregator", tls.ROLE_SERVICE, ["localhost", "127.0.0.1", "::1"]).cert_pem)
+    assert dns == {"localhost"} and ips == {"127.0.0.1", str(ipaddress.ip_address("::1"))} and not uris
+    usage = (
+        x509.load_pem_x509_certificate(ca.issue("agent", tls.ROLE_AGENT).cert_pem)
+        .extensions.get_extension_for_class(x509.ExtendedKeyUsage)
+        .value
+    )
+    assert list(usage) == [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH], "an agent certificate cannot serve TLS"
+
+
+def test_issue_refuses_what_is_no_fairfl_identity(ca: tls.CertificateAuthority) -> None:
+    with pytest.raises(tls.TlsError, match="unknown role 'admin'"):
+        ca.issue("x", "admin")
+    with pytest.raises(tls.TlsError, match="only agent certificates"):
+        ca.issue("aggregator", tls.ROLE_SERVICE, clients=[(0, 1)])
+
+
+@pytest.mark.parametrize("text", ["", "a-b", "5-3", "1,,2", "-4", "3-"])
+def test_client_ranges_are_parsed_strictly(text: str) -> None:
+    with pytest.raises(tls.TlsError, match="bad client range"):
+        tls.parse_ranges(text)
+
+
+def test_k8s_names_cover_the_services_and_stateful_pods() -> None:
+    names = tls.k8s_hosts("aggregator", "ml", "corp.local")
+    assert "fairfl-aggregator" in names and "fairfl-aggregator.ml.svc.corp.local" in names
+    assert "fairfl-aggregator-0.fairfl-aggregator.ml.svc.corp.local" in names
+    assert not any(n.startswith("fairfl-clustering-0") for n in tls.k8s_hosts("clustering"))
+
+
+def test_fairfl_certs_writes_one_secret_directory_per_identity(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "certs"
+    assert cli.main(["certs", str(out), "--host", "fl.example.org", "--agent", "site-a=0-9", "--agent", "spare"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("aggregator", "clustering", "privacy", "site-a", "spare"):
+        assert f"create secret generic fairfl-tls-{name} --from-file={out / name}" in printed
+    assert "fairfl-tls-operator" not in printed, "the operator identity stays with the operator"
+    ca_pem = (out / "ca" / "ca.crt").read_bytes()
+    for name in ("aggregator", "clustering", "privacy", "operator", "site-a", "spare"):
+        files = sorted(p.name for p in (out / name).iterdir())
+        assert files == ["ca.crt", "tls.crt", "tls.key"], name
+        assert (out / name / "ca.crt").read_bytes() == ca_pem
+        assert stat.S_IMODE((out / name / "tls.key").stat().st_mode) == 0o600
+        TransportSecurity.from_dir(out / name)  # loads as a process's TLS material
+    assert stat.S_IMODE((out / "ca" / "ca.key").stat().st_mode) == 0o600
+    dns, ips, _ = _sans((out / "aggregator" / "tls.crt").read_bytes())
+    assert {"fl.example.org", "fairfl-aggregator", "fairfl-aggregator.fairfl.svc.cluster.local"} <= dns
+    assert "127.0.0.1" in ips
+    site = TransportSecurity.from_dir(out / "site-a").identity
+    assert (site.role, site.clients) == ("agent", ((0, 9),))
+    assert TransportSecurity.from_dir(out / "spare").identity.clients is None
+    assert TransportSecurity.from_dir(out / "operator").identity.role == "service"
+
+    # Existing identities are kept unless --force; the CA is reused, so old and new identities trust each other.
+    assert cli.main(["certs", str(out)]) == 2
+    assert "already holds certificates" in capsys.readouterr().err
+    assert cli.main(["certs", str(out), "--force"]) == 0
+    assert (out / "ca" / "ca.crt").read_bytes() == ca_pem
+    assert (out / "agent" / "ca.crt").read_bytes() == ca_pem
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--agent", "aggregator"], "other than a service's"),
+        (["--agent", "a=9-1"], "start > end"),
+        (["--days", "0"], "--days"),
+    ],
+)
+def test_fairfl_certs_refuses_bad_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str], message: str
+) -> None:
+    assert cli.main(["certs", str(tmp_path / "c"), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _transport_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_transport_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_plaintext_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FAIRFL_TLS_DIR", raising=False)
+    monkeypatch.delenv("FAIRFL_INSECURE", raising=False)
+    with pytest.raises(ValueError, match=r"no TLS material: pass --tls-dir DIR .*fairfl certs.* or --insecure"):
+        security_from_args(_transport_args())
+    assert security_from_args(_transport_args("--insecure")) is None
+    monkeypatch.setenv("FAIRFL_INSECURE", "1")
+    assert security_from_args(_transport_args()) is None
+    with pytest.raises(ValueError, match="not both"):
+        security_from_args(_transport_args("--tls-dir", str(tmp_path)))
+    monkeypatch.delenv("FAIRFL_INSECURE")
+    (tmp_path / "tls.crt").write_text("x")
+    with pytest.raises(ValueError, match=r"lacks .*ca\.crt.*tls\.key"):
+        security_from_args(_transport_args("--tls-dir", str(tmp_path)))
+
+
+def test_tls_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca) -> None:
+    ca.issue("privacy", tls.ROLE_SERVICE, ["localhost"]).write(tmp_path)
+    monkeypatch.setenv("FAIRFL_TLS_DIR", str(tmp_path))
+    security = security_from_args(_transport_args())
+    assert security is not None and security.identity.name == "privacy"
+
+
+def test_rate_limiter_allows_a_burst_then_the_rate_per_caller() -> None:
+    limiter = RateLimiter(rate=2.0, burst=3)
+    assert [limiter.allow("a", now=0.0) for _ in range(4)] == [True, True, True, False]
+    assert limiter.allow("b", now=0.0), "callers have their own buckets"
+    assert not limiter.allow("a", now=0.4)  # 0.8 tokens regained
+    assert limiter.allow("a", now=0.6) and not limiter.allow("a", now=0.6)
+    assert [limiter.allow("a", now=100.0) for _ in range(4)] == [True, True, True, False], "refills up to the burst"
+
+
+def test_rate_limiter_forgets_the_least_recent_callers() -> None:
+    limiter = RateLimiter(rate=1.0, burst=1, max_callers=3)
+    for key in "abcd":
+        limiter.allow(key, now=0.0)
+    assert list(limiter.buckets) == ["b", "c", "d"]
+
+
+def test_payload_receiver_refuses_empty_and_oversized_chunks() -> None:
+    receiver = codec.PayloadReceiver(10, "0" * 64, max_bytes=10, max_chunk_bytes=4)
+    with pytest.raises(codec.CodecError, match=r"chunks carry 1\.\.4 bytes") as empty:
+        receiver.add(b"")
+    assert empty.value.reason == "size"
+    with pytest.raises(codec.CodecError, match=r"chunks carry 1\.\.4 bytes"):
+        receiver.add(b"12345")
+    receiver.add(b"1234")
+    assert receiver.received == 4
+    assert codec.PayloadReceiver(1, "0" * 64).max_chunk_bytes == CHUNK_BYTES
+
+
+def test_codec_errors_name_their_reason() -> None:
+    receiver = codec.PayloadReceiver(4, "0" * 64)
+    receiver.add(b"abcd")
+    with pytest.raises(codec.CodecError) as digest:
+        receiver.finish()
+    assert digest.value.reason == "integrity"
+    with pytest.raises(codec.CodecError) as size:
+        codec.PayloadReceiver(11, "0" * 64, max_bytes=10)
+    assert size.value.reason == "size"
+    assert codec.CodecError("x").reason == "malformed"
