@@ -151,10 +151,15 @@ class ClientRuntime:
         loss_sum = 0.0
         lr_sum = 0.0
         first_step: torch.Tensor | None = None
-        # Equitable-FL activation vector (seed-equitable.md §1.4, final_epoch_mean): log-softmax over the penultimate
-        # units, averaged over the samples of the last local epoch's steps (a step budget: its last epoch's worth of
-        # steps), each at the model state of its own forward pass, so it costs no extra forward pass.
-        activation_from = steps - min(steps, math.ceil(n / batch)) if cfg.want_activation else steps
+        # Equitable-FL activation vector (seed-equitable.md §1.4): from the penultimate layer's output h over the
+        # samples of the last local epoch's steps (a step budget: its last epoch's worth of steps), each at the model
+        # state of its own forward pass, so it costs no extra forward pass. final_epoch_mean (the spec's default)
+        # averages log_softmax(h), log_softmax_of_mean averages h; eval_pass runs its own pass after training.
+        mode = cfg.activation_mode
+        if cfg.want_activation and mode not in federation_pb2.ActivationMode.values():
+            raise ValueError(f"unknown activation_mode {mode}")
+        window = cfg.want_activation and mode != federation_pb2.ACTIVATION_MODE_EVAL_PASS
+        activation_from = steps - min(steps, math.ceil(n / batch)) if window else steps
         activation_sum = torch.zeros(model.feature_dim, dtype=torch.float64, device=self.device)
         activation_count = 0
         for step in range(steps):
@@ -166,7 +171,10 @@ class ClientRuntime:
             if step >= activation_from:
                 hidden = model.features(c.x_train[idx])
                 logits = model.classifier(hidden)  # == model(x): forward is classifier(features(x))
-                activation_sum += F.log_softmax(hidden.detach(), dim=1).sum(0, dtype=torch.float64)
+                if mode == federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN:
+                    activation_sum += hidden.detach().sum(0, dtype=torch.float64)
+                else:
+                    activation_sum += F.log_softmax(hidden.detach(), dim=1).sum(0, dtype=torch.float64)
                 activation_count += len(idx)
             else:
                 logits = model(c.x_train[idx])
@@ -206,7 +214,7 @@ class ClientRuntime:
                     out.bias_update = out.payloads[UPDATE][offset : offset + size].double().numpy().copy()
                 offset += size
         if cfg.want_activation:
-            out.activation = (activation_sum / activation_count).cpu().numpy()
+            out.activation = self._activation(c, mode, activation_sum, activation_count).cpu().numpy()
 
     def _train_dp(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
         """FedFDP's LOCAL (Alg. 2): K DP-SGD steps on Poisson(q) batches with fair clipping, then the noisy loss.
@@ -338,6 +346,20 @@ class ClientRuntime:
             total += float(F.cross_entropy(logits, y[start : start + EVAL_BATCH], reduction="sum"))
             correct += int((logits.argmax(dim=1) == y[start : start + EVAL_BATCH]).sum())
         return total / len(y), 100.0 * correct / len(y)
+
+    @torch.no_grad()
+    def _activation(self, c: _ClientTensors, mode: int, total: torch.Tensor, count: int) -> torch.Tensor:
+        """The activation vector of `mode` from the training-time sums (or, for eval_pass, a pass of its own)."""
+        if mode == federation_pb2.ACTIVATION_MODE_EVAL_PASS:
+            self.model.eval()
+            total = torch.zeros_like(total)
+            for start in range(0, len(c.y_train), EVAL_BATCH):
+                hidden = self.model.features(c.x_train[start : start + EVAL_BATCH])
+                total += F.log_softmax(hidden, dim=1).sum(0, dtype=torch.float64)
+            return total / len(c.y_train)
+        if mode == federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN:
+            return F.log_softmax(total / count, dim=0)
+        return total / count
 
     def _classifier_bias_name(self) -> str:
         for name, param in self.model.named_parameters():

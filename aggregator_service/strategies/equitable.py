@@ -35,6 +35,11 @@ from fairfl.v1 import clustering_pb2, federation_pb2
 
 log = logging.getLogger(__name__)
 
+ACTIVATION_MODES = {
+    "final_epoch_mean": federation_pb2.ACTIVATION_MODE_FINAL_EPOCH_MEAN,
+    "eval_pass": federation_pb2.ACTIVATION_MODE_EVAL_PASS,
+    "log_softmax_of_mean": federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN,
+}
 _CLUSTER_SEED = 0x45_51  # keeps the k-means seed stream apart from the task seeds derived from the same run seed
 
 
@@ -44,12 +49,19 @@ class EquitableParams:
     # FedProx μ (eq. 4). The paper tunes it over {0.001, 0.01, 0.1, 1} and does not report the choice; spec §1.11
     # takes 0.01, inside Theorem 1's μ < 1.
     mu: float = 0.01
+    # How each client reduces its penultimate activations to one vector (the paper leaves it open; spec §1.4):
+    # final_epoch_mean (default), eval_pass or log_softmax_of_mean, see federation.proto ActivationMode.
+    activation_mode: str = "final_epoch_mean"
 
     def validate(self, path: str) -> None:
         from fairfl.config import ConfigError
 
         if self.num_clusters < 1:
             raise ConfigError(f"{path}.num_clusters: must be >= 1, got {self.num_clusters}")
+        if self.activation_mode not in ACTIVATION_MODES:
+            raise ConfigError(
+                f"{path}.activation_mode: {self.activation_mode!r} is not one of {', '.join(ACTIVATION_MODES)}"
+            )
         require_finite(path, mu=self.mu)
         if self.mu < 0:
             raise ConfigError(f"{path}.mu: must be >= 0, got {self.mu}")
@@ -101,6 +113,7 @@ class Equitable(Strategy):
         plan = fedprox_plan(ctx, self.params.mu)
         assert plan.train is not None
         plan.train.want_activation = True
+        plan.train.activation_mode = ACTIVATION_MODES[self.params.activation_mode]  # type: ignore[assignment]
         return plan
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:

@@ -181,6 +181,10 @@ def test_equitable_configure_asks_for_fedprox_and_activations() -> None:
     plan = strategy("equitable", mu=0.1).configure(ctx, 0, [])
     assert plan is not None and plan.phase == TRAIN and plan.train is not None
     assert plan.train.prox_mu == 0.1 and plan.train.want_activation and plan.train.local_epochs == 5
+    assert plan.train.activation_mode == federation_pb2.ACTIVATION_MODE_FINAL_EPOCH_MEAN  # the spec's default
+    other = strategy("equitable", activation_mode="eval_pass").configure(ctx, 0, [])
+    assert other is not None and other.train is not None
+    assert other.train.activation_mode == federation_pb2.ACTIVATION_MODE_EVAL_PASS
     assert not ctx.train_config.want_activation and ctx.train_config.prox_mu == 0.0  # the run's config is untouched
     assert strategy("equitable").configure(ctx, 1, [[]]) is None
 
@@ -282,6 +286,7 @@ def test_fairfed_falls_back_when_every_weight_is_clipped() -> None:
         ("equitable", {"mu": -0.1}, "strategy.params.mu: must be >= 0"),
         ("equitable", {"mu": math.inf}, "strategy.params.mu: must be a finite number"),
         ("equitable", {"clusters": 2}, "unknown parameter 'clusters'"),
+        ("equitable", {"activation_mode": "mean"}, "strategy.params.activation_mode: 'mean' is not one of"),
         ("fairfed", {"beta": -1.0}, "strategy.params.beta: must be >= 0"),
         ("cluster2", {"mu": -1.0}, "strategy.params.mu: must be >= 0"),
     ],
@@ -315,13 +320,16 @@ def _runtime(seed: int = 3) -> tuple[ClientRuntime, torch.Tensor]:
     return runtime, params
 
 
-def _train(runtime: ClientRuntime, lr: float, epochs: int, want_activation: bool, batch: int = 8) -> ClientResult:
+def _train(
+    runtime: ClientRuntime, lr: float, epochs: int, want_activation: bool, batch: int = 8, mode: int = 0
+) -> ClientResult:
     task = federation_pb2.Task(task_id="t", run_id="r", round=1, phase=TRAIN, client_id=0, seed=5)
     task.model.sha256 = "x0"
     task.train.local_epochs = epochs
     task.train.batch_size = batch
     task.train.lr = lr
     task.train.want_activation = want_activation
+    task.train.activation_mode = mode  # type: ignore[assignment]
     return runtime.run(task)
 
 
@@ -339,6 +347,14 @@ def test_activation_is_the_mean_log_softmax_of_the_penultimate_layer() -> None:
     assert np.allclose(still.activation, expected, atol=1e-6)
     assert (still.activation < 0).all()  # log-softmax over the penultimate units, not the class logits
     assert still.metrics["accuracy_before"] == pytest.approx(accuracy)
+    # log_softmax_of_mean: the log-softmax of the mean penultimate output instead.
+    of_mean = _train(runtime, 0.0, 2, True, len(c.y_train), federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN)
+    with torch.no_grad():
+        expected_of_mean = F.log_softmax(runtime.model.features(c.x_train).double().mean(0), dim=0).numpy()
+    assert of_mean.activation is not None and np.allclose(of_mean.activation, expected_of_mean, atol=1e-6)
+    assert not np.allclose(of_mean.activation, expected, atol=1e-3)  # a different reduction, not a relabelling
+    with pytest.raises(ValueError, match="unknown activation_mode 7"):
+        _train(runtime, 0.0, 1, True, mode=7)
 
 
 def test_activation_comes_from_training_forwards_and_leaves_training_unchanged() -> None:
@@ -355,3 +371,7 @@ def test_activation_comes_from_training_forwards_and_leaves_training_unchanged()
     assert with_activation.activation is not None
     assert not np.allclose(with_activation.activation, final, atol=1e-4)
     assert np.isfinite(with_activation.activation).all()
+    # eval_pass is exactly that pass of the trained model, after the same training.
+    eval_pass = _train(runtime, 0.5, 3, True, mode=federation_pb2.ACTIVATION_MODE_EVAL_PASS)
+    assert torch.equal(eval_pass.payloads[UPDATE], without.payloads[UPDATE])
+    assert eval_pass.activation is not None and np.allclose(eval_pass.activation, final, atol=1e-9)
