@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -267,10 +267,11 @@ class _InFlight:
                 self.count.pop(key, None)
 
 
-def refuse(context: grpc.ServicerContext, service: str, reason: str, code: grpc.StatusCode, message: str) -> None:
+def refuse(context: grpc.ServicerContext, service: str, reason: str, code: grpc.StatusCode, message: str) -> NoReturn:
     """Count a refusal under `reason` (a fixed word from the code, never caller input) and abort the RPC (raises)."""
     telemetry.REQUESTS_REFUSED.labels(service, reason).inc()
     context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
 
 
 class AccessInterceptor(grpc.ServerInterceptor):
