@@ -387,4 +387,5 @@ def load_run_data(config: ExperimentConfig) -> FederatedData:
         group_sizes=d.group_sizes,
         group_classes=d.group_classes,
         samples_per_class=d.samples_per_class,
+        group_alphas=d.group_alphas,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import fields
 from typing import Any
 
 import grpc
@@ -43,7 +44,7 @@ def decode_float_tensor(message: tensor_pb2.Tensor, what: str, ndim: int) -> NDA
     return arr
 
 
-def _signature_from_proto(msg: clustering_pb2.ClientSignature) -> Signature:
+def signature_from_proto(msg: clustering_pb2.ClientSignature) -> Signature:
     vectors = {
         name: decode_float_tensor(getattr(msg, name), f"client {msg.client_id}: {name}", ndim=1)
         for name in ("bias_update", "activation")
@@ -54,7 +55,6 @@ def _signature_from_proto(msg: clustering_pb2.ClientSignature) -> Signature:
 
 def selection_input_from_proto(request: clustering_pb2.SelectRequest) -> SelectionInput:
     """The transport-free request; its constructor does the validation shared with the in-process path."""
-    p = request.params
     n = len(request.candidates)
     similarity = None
     if request.HasField("similarity"):
@@ -65,19 +65,30 @@ def selection_input_from_proto(request: clustering_pb2.SelectRequest) -> Selecti
         num_to_select=request.num_to_select,
         candidates=np.asarray(request.candidates, dtype=np.int64).reshape(n),
         seed=request.seed,
-        params=SelectionParams(
-            temperature=p.temperature,
-            lambda_entropy=p.lambda_entropy,
-            gamma0=p.gamma0,
-            num_clusters=p.num_clusters,
-            total_rounds=p.total_rounds,
-            warmup_rounds=p.warmup_rounds,
-            choice_candidates=p.candidates,
-        ),
+        params=selection_params_from_proto(request.params),
         # Unset repeated fields arrive empty: treat empty as "not given" rather than as a length mismatch.
         candidate_losses=np.asarray(request.candidate_losses) if request.candidate_losses else None,
         candidate_num_samples=np.asarray(request.candidate_num_samples) if request.candidate_num_samples else None,
         similarity=similarity,
+    )
+
+
+# SelectionParams field -> fairfl.v1.SelectionParams field; sketch_dim stays on the aggregator (never sent).
+_WIRE_PARAMS = {f.name: "candidates" if f.name == "choice_candidates" else f.name for f in fields(SelectionParams)}
+del _WIRE_PARAMS["sketch_dim"]
+
+
+def selection_params_from_proto(message: clustering_pb2.SelectionParams) -> SelectionParams:
+    """The fields that are set (unset = the method's default)."""
+    return SelectionParams(
+        **{name: getattr(message, wire) for name, wire in _WIRE_PARAMS.items() if message.HasField(wire)}
+    )
+
+
+def selection_params_to_proto(params: SelectionParams) -> clustering_pb2.SelectionParams:
+    """The set fields of `params` on the wire (the aggregator's RemoteSelector sends this)."""
+    return clustering_pb2.SelectionParams(
+        **{wire: getattr(params, name) for name, wire in _WIRE_PARAMS.items() if getattr(params, name) is not None}
     )
 
 
@@ -163,7 +174,7 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
     ) -> clustering_pb2.ReportSignaturesReply:
         try:
             _require_run_id(request.run_id)
-            signatures = [_signature_from_proto(s) for s in request.signatures]
+            signatures = [signature_from_proto(s) for s in request.signatures]
             stored = self.store.run(request.run_id).put(signatures)
         except InvalidInput as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ReportSignatures(run {request.run_id!r}): {err}")
@@ -199,7 +210,10 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
             out.seconds * 1e3,
         )
         return clustering_pb2.SelectReply(
-            selected=out.selected, cluster_of_selected=out.cluster_of_selected, selection_seconds=out.seconds
+            selected=out.selected,
+            cluster_of_selected=out.cluster_of_selected,
+            selection_seconds=out.seconds,
+            needs_losses=out.needs_losses,
         )
 
     def Cluster(

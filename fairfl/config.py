@@ -31,7 +31,7 @@ class DataConfig:
     root: str | None = None
     download: bool = False
     num_clients: int = 100
-    partition: Literal["iid", "shards", "dirichlet", "label_groups"] = "shards"
+    partition: Literal["iid", "shards", "dirichlet", "label_groups", "dirichlet_groups"] = "shards"
     shards_per_client: int = 2
     alpha: float = 0.5
     min_size: int = 10
@@ -44,6 +44,8 @@ class DataConfig:
     # each of its group's classes (None = the class split equally among the group's clients).
     group_classes: list[int] = field(default_factory=list)
     samples_per_class: int | None = None
+    # dirichlet_groups (HiCS-FL's mixed α): the Dirichlet α of each group's label skew.
+    group_alphas: list[float] = field(default_factory=list)
 
     def validate(self, path: str) -> None:
         from fairfl.data.groups import GROUPED_PARTITIONS
@@ -85,6 +87,16 @@ class DataConfig:
                 raise ConfigError(f"{path}.group_classes: applies to partition label_groups only")
             if self.samples_per_class is not None:
                 raise ConfigError(f"{path}.samples_per_class: applies to partition label_groups only")
+        if self.partition == "dirichlet_groups":
+            if len(self.group_alphas) != len(self.group_sizes):
+                raise ConfigError(
+                    f"{path}.group_alphas: one α per group, got {len(self.group_alphas)} for "
+                    f"{len(self.group_sizes)} groups"
+                )
+            for i, a in enumerate(self.group_alphas):
+                _positive(a, f"{path}.group_alphas[{i}]")
+        elif self.group_alphas:
+            raise ConfigError(f"{path}.group_alphas: applies to partition dirichlet_groups only")
         _at_least(self.shards_per_client, 1, f"{path}.shards_per_client")
         _positive(self.alpha, f"{path}.alpha")
         _at_least(self.min_size, 0, f"{path}.min_size")
@@ -163,11 +175,42 @@ class StrategyConfig:
 
 @dataclass
 class SelectionConfig:
-    method: Literal["random", "full"] = "random"
+    # Samplers of clustering_service/samplers; `clustered` is a synonym of clustered_sampling (Fraboni et al. Alg. 2).
+    method: Literal["random", "full", "hics", "power_of_choice", "clustered_sampling", "clustered", "divfl"] = "random"
     clients_per_round: int = 10
+    # The method's parameters (clustering_service.samplers.SelectionParams; unset = the paper's value), e.g. hics:
+    # temperature, lambda_entropy, gamma0, num_clusters, warmup_rounds; power_of_choice: candidates (d).
+    params: dict[str, Scalar] = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
+        from clustering_service.errors import InvalidInput
+        from clustering_service.samplers import params_from_config  # the samplers own their parameters
+
         _at_least(self.clients_per_round, 1, f"{path}.clients_per_round")
+        if self.method == "clustered":
+            self.method = "clustered_sampling"
+        try:
+            params_from_config(self.method, self.params)
+        except InvalidInput as err:
+            raise ConfigError(f"{path}.params.{err}") from None
+
+    def validate_run(self, cfg: ExperimentConfig) -> None:
+        """Rules across sections; each error names the field to change."""
+        if cfg.privacy.enabled and self.method not in ("random", "full"):
+            raise ConfigError(
+                f"selection.method: {self.method} selects on clients' bias updates, losses or updates, which DP runs "
+                "do not release unprotected and which break the privacy accounting's uniform sampling; use random"
+            )
+        n = cfg.data.num_clients
+        clusters = self.params.get("num_clusters", 0)
+        if isinstance(clusters, int) and clusters > n:
+            raise ConfigError(f"selection.params.num_clusters: {clusters} exceeds data.num_clients = {n}")
+        d = self.params.get("candidates", 0)
+        if isinstance(d, int) and d and not self.clients_per_round <= d <= n:
+            raise ConfigError(
+                f"selection.params.candidates: d = {d} must be between selection.clients_per_round = "
+                f"{self.clients_per_round} and data.num_clients = {n} (0 = every client)"
+            )
 
 
 @dataclass
@@ -286,6 +329,7 @@ class ExperimentConfig:
             )
         if self.runtime.agents > self.data.num_clients:
             raise ConfigError(f"runtime.agents: {self.runtime.agents} agents for {self.data.num_clients} clients")
+        self.selection.validate_run(self)
         if self.strategy.name == "cluster2" and self.selection.method != "clustered_sampling":
             # Cluster2 is a sampling method (Fraboni et al. Alg. 2): with any other selection it would silently be
             # FedProx with uniform weights.

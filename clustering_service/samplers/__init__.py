@@ -4,21 +4,36 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 from clustering_service.errors import InvalidInput
 from clustering_service.samplers.base import (
+    BOOL_PARAMS,
+    FLOAT_PARAMS,
+    INT_PARAMS,
     Sampler,
     SelectionInput,
     SelectionMethod,
     SelectionOutput,
     SelectionParams,
+    check_param_values,
+    param_label,
 )
+from clustering_service.samplers.clustered import ClusteredSampler
+from clustering_service.samplers.divfl import DivflSampler
 from clustering_service.samplers.full import FullSampler
+from clustering_service.samplers.hics import HicsSampler
+from clustering_service.samplers.power_of_choice import PowerOfChoiceSampler
 from clustering_service.samplers.random import RandomSampler
 from clustering_service.state import RunState
 
 # Add a sampler here when its file lands; every other method is reported as not implemented.
-_REGISTRY: dict[SelectionMethod, type[Sampler]] = {cls.method: cls for cls in (RandomSampler, FullSampler)}
+_REGISTRY: dict[SelectionMethod, type[Sampler]] = {
+    cls.method: cls
+    for cls in (RandomSampler, FullSampler, HicsSampler, PowerOfChoiceSampler, ClusteredSampler, DivflSampler)
+}
+# Config names that differ from the enum names.
+_ALIASES = {"CLUSTERED": SelectionMethod.CLUSTERED_SAMPLING}
 
 
 def implemented_methods() -> list[SelectionMethod]:
@@ -29,7 +44,8 @@ def parse_method(method: SelectionMethod | int | str) -> SelectionMethod:
     """Accept the enum, its proto number, or a config name ("random", "hics", "SELECTION_METHOD_FULL")."""
     try:
         if isinstance(method, str):
-            parsed = SelectionMethod[method.strip().upper().removeprefix("SELECTION_METHOD_")]
+            name = method.strip().upper().removeprefix("SELECTION_METHOD_")
+            parsed = _ALIASES.get(name) or SelectionMethod[name]
         else:
             parsed = SelectionMethod(int(method))
     except (KeyError, ValueError):
@@ -52,6 +68,31 @@ def get_sampler(method: SelectionMethod | int | str) -> Sampler:
     return cls()
 
 
+def params_from_config(method: str, raw: dict[str, Any]) -> SelectionParams:
+    """`selection.params` of an experiment as SelectionParams for `method`; raises InvalidInput naming the key
+    (config loading prefixes the dotted path). Keys are SelectionParams fields; `candidates` is power-of-choice's d."""
+    sampler = get_sampler(method)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = "choice_candidates" if key == "candidates" else key
+        if name not in sampler.params_used or name == "total_rounds":  # the run's rounds give 𝒯
+            valid = ", ".join(param_label(n) for n in sampler.params_used if n != "total_rounds") or "none"
+            raise InvalidInput(f"{key}: not a parameter of selection method {method}; its parameters: {valid}")
+        if name in FLOAT_PARAMS:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidInput(f"{key}: expected a number, got {value!r}")
+            value = float(value)
+        elif name in INT_PARAMS:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInput(f"{key}: expected an integer, got {value!r}")
+        elif name in BOOL_PARAMS and not isinstance(value, bool):
+            raise InvalidInput(f"{key}: expected true or false, got {value!r}")
+        values[name] = value
+    params = SelectionParams(**values)
+    check_param_values(params)
+    return params
+
+
 def select(method: SelectionMethod | int | str, request: SelectionInput, state: RunState) -> SelectionOutput:
     """Run one selection with the sampler for `method` (the same entry point for both transports)."""
     return run_sampler(get_sampler(method), request, state)
@@ -65,7 +106,11 @@ def run_sampler(sampler: Sampler, request: SelectionInput, state: RunState) -> S
 
 
 __all__ = [
+    "ClusteredSampler",
+    "DivflSampler",
     "FullSampler",
+    "HicsSampler",
+    "PowerOfChoiceSampler",
     "RandomSampler",
     "Sampler",
     "SelectionInput",
@@ -74,6 +119,7 @@ __all__ = [
     "SelectionParams",
     "get_sampler",
     "implemented_methods",
+    "params_from_config",
     "parse_method",
     "run_sampler",
     "select",

@@ -12,6 +12,7 @@ class RandomSampler(Sampler):
     method = SelectionMethod.RANDOM
 
     def select(self, request: SelectionInput, state: RunState) -> SelectionOutput:
+        self.check_params(request.params)  # it takes none: a set parameter is a mistake worth reporting
         # Seeding from (seed, round) alone makes every round reproducible on its own (a resumed run or the
         # in-process oracle picks the same clients) while rounds stay independent of each other.
         rng = np.random.default_rng([request.seed, request.round])

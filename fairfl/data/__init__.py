@@ -13,6 +13,7 @@ from fairfl.data.federated import PARTITIONS, FederatedData, build_federated
 from fairfl.data.groups import GROUPED_PARTITIONS, client_groups
 from fairfl.data.partition import (
     partition_dirichlet,
+    partition_dirichlet_groups,
     partition_iid,
     partition_label_groups,
     partition_shards,
@@ -34,6 +35,7 @@ __all__ = [
     "load_dataset",
     "parse_idx",
     "partition_dirichlet",
+    "partition_dirichlet_groups",
     "partition_iid",
     "partition_label_groups",
     "partition_shards",

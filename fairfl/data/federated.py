@@ -10,6 +10,7 @@ from fairfl.data.datasets import ArrayDataset, load_dataset
 from fairfl.data.groups import client_groups
 from fairfl.data.partition import (
     partition_dirichlet,
+    partition_dirichlet_groups,
     partition_iid,
     partition_label_groups,
     partition_shards,
@@ -17,7 +18,7 @@ from fairfl.data.partition import (
 )
 from fairfl.data.synthetic import synthetic_leaf
 
-PARTITIONS = ("iid", "shards", "dirichlet", "label_groups")
+PARTITIONS = ("iid", "shards", "dirichlet", "label_groups", "dirichlet_groups")
 
 
 @dataclass(eq=False)
@@ -84,11 +85,14 @@ def build_federated(
     group_sizes: list[int] | None = None,
     group_classes: list[int] | None = None,
     samples_per_class: int | None = None,
+    group_alphas: list[float] | None = None,
 ) -> FederatedData:
     """Load ``dataset`` and split it among ``num_clients`` clients; the same arguments always give the same split.
 
     ``partition`` ('iid' | 'shards' | 'dirichlet' | 'label_groups') splits the training set ('label_groups': clients
-    in groups of ``group_sizes`` with disjoint label sets, see partition_label_groups; ``groups`` gets their ids).
+    in groups of ``group_sizes`` with disjoint label sets, see partition_label_groups; 'dirichlet_groups': HiCS-FL's
+    groups of ``group_sizes`` clients with Dirichlet(``group_alphas[g]``) label skew, see partition_dirichlet_groups;
+    ``groups`` gets the group ids of both).
     Each client's test set is drawn from the official test set following its train label mix (``test_per_client``
     samples, default len(test) // num_clients).
     ``dataset='synthetic'`` uses LEAF's Synthetic(α, β) with its own per-client split, ignoring ``partition``.
@@ -114,6 +118,11 @@ def build_federated(
         if sum(sizes) != num_clients:
             raise ValueError(f"group_sizes {sizes} hold {sum(sizes)} clients, num_clients is {num_clients}")
         train_idx = partition_label_groups(train.y, sizes, classes, partition_rng, samples_per_class)
+    elif partition == "dirichlet_groups":
+        sizes = list(group_sizes or [])
+        if sum(sizes) != num_clients:
+            raise ValueError(f"group_sizes {sizes} hold {sum(sizes)} clients, num_clients is {num_clients}")
+        train_idx = partition_dirichlet_groups(train.y, sizes, list(group_alphas or []), partition_rng, min_size)
     else:
         train_idx = partition_dirichlet(train.y, num_clients, alpha, partition_rng, min_size=min_size)
 

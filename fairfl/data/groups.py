@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 # Partitions whose clients come in ground-truth groups of sizes `data.group_sizes`.
-GROUPED_PARTITIONS: tuple[str, ...] = ("label_groups",)
+GROUPED_PARTITIONS: tuple[str, ...] = ("label_groups", "dirichlet_groups")
 
 
 def groups_from_sizes(group_sizes: Sequence[int]) -> NDArray[np.int64]:

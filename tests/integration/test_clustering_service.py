@@ -158,7 +158,7 @@ def test_cluster_over_grpc(stub: clustering_pb2_grpc.ClusteringStub) -> None:
     assert list(ward.labels) == list(reply.labels) and math.isnan(ward.nmi)
 
 
-def test_invalid_and_unimplemented_requests(stub: clustering_pb2_grpc.ClusteringStub) -> None:
+def test_invalid_requests(stub: clustering_pb2_grpc.ClusteringStub) -> None:
     with pytest.raises(grpc.RpcError) as bad:
         stub.Select(
             pb.SelectRequest(run_id="it", num_to_select=5, candidates=[1, 2], method=pb.SELECTION_METHOD_RANDOM),
@@ -170,7 +170,7 @@ def test_invalid_and_unimplemented_requests(stub: clustering_pb2_grpc.Clustering
             pb.SelectRequest(run_id="it", num_to_select=1, candidates=[1, 2], method=pb.SELECTION_METHOD_HICS),
             timeout=SHORT_DEADLINE,
         )
-    assert hics.value.code() == grpc.StatusCode.UNIMPLEMENTED and "HICS" in hics.value.details()
+    assert hics.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "total_rounds" in hics.value.details()
 
 
 def test_sigterm_exits_cleanly(launched: dict[str, tuple[subprocess.Popen[str], Path]]) -> None:

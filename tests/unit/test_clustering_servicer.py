@@ -149,18 +149,23 @@ def test_select_invalid_argument(servicer: ClusteringServicer, overrides: dict[s
 
 
 @pytest.mark.parametrize(
-    "method",
+    ("method", "params", "match"),
     [
-        pb.SELECTION_METHOD_HICS,
-        pb.SELECTION_METHOD_POWER_OF_CHOICE,
-        pb.SELECTION_METHOD_CLUSTERED_SAMPLING,
-        pb.SELECTION_METHOD_DIVFL,
+        (pb.SELECTION_METHOD_HICS, {}, "total_rounds is required"),
+        (pb.SELECTION_METHOD_HICS, {"total_rounds": 10, "temperature": 0.0}, "params.temperature: must be > 0"),
+        (pb.SELECTION_METHOD_HICS, {"total_rounds": 10, "candidates": 3}, "params.candidates does not apply to HICS"),
+        (pb.SELECTION_METHOD_POWER_OF_CHOICE, {"candidates": 2}, "must be >= num_to_select"),
+        (pb.SELECTION_METHOD_POWER_OF_CHOICE, {"gamma0": 1.0}, "gamma0 does not apply to POWER_OF_CHOICE"),
+        (pb.SELECTION_METHOD_CLUSTERED_SAMPLING, {}, "CLUSTERED_SAMPLING needs similarity"),
+        (pb.SELECTION_METHOD_DIVFL, {"warmup_rounds": 0}, "DIVFL needs similarity"),
+        (pb.SELECTION_METHOD_RANDOM, {"lambda_entropy": 1.0}, "its parameters: none"),
     ],
 )
-def test_select_planned_methods_are_unimplemented(servicer: ClusteringServicer, method: int) -> None:
-    code, details = _abort_of(servicer.Select, _select(method=method))
-    assert code == grpc.StatusCode.UNIMPLEMENTED
-    assert pb.SelectionMethod.Name(method).removeprefix("SELECTION_METHOD_") in details and "RANDOM" in details
+def test_select_bad_params_are_invalid_argument(
+    servicer: ClusteringServicer, method: int, params: dict[str, object], match: str
+) -> None:
+    code, details = _abort_of(servicer.Select, _select(method=method, params=pb.SelectionParams(**params)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and match in details, details
 
 
 # --- Cluster ---------------------------------------------------------------------------------------------------------

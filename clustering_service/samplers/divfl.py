@@ -1,0 +1,46 @@
+"""DivFL (Balakrishnan et al. 2022; seed-hicsfl.md §2.4): a diverse subset by greedy facility location.
+
+Chooses S, |S| = K, greedily minimising Σ_k min_{s∈S} ‖g_k − g_s‖ over the candidates' last updates g, given as
+their Gram matrix (`similarity`; the aggregator computes it where the updates are). The stored updates stand in for
+the paper's "ideal" fresh gradients of every client. Before every client has reported an update the distances say
+nothing, so the first ⌈N/K⌉ rounds are a random warm-up without replacement (as HiCS-FL's; `warmup_rounds`).
+Ties go to a seeded random order of the candidates.
+"""
+
+from __future__ import annotations
+
+from clustering_service.errors import InvalidInput
+from clustering_service.samplers.base import (
+    Sampler,
+    SelectionInput,
+    SelectionMethod,
+    SelectionOutput,
+    round_rng,
+    warmup_block,
+)
+from clustering_service.samplers.hics import default_warmup
+from clustering_service.samplers.hierarchy import euclidean_from_gram, facility_location_greedy
+from clustering_service.state import RunState
+
+
+class DivflSampler(Sampler):
+    method = SelectionMethod.DIVFL
+    params_used = ("warmup_rounds", "sketch_dim")
+
+    def select(self, request: SelectionInput, state: RunState) -> SelectionOutput:
+        p = request.params
+        self.check_params(p)
+        cands, k = request.candidates, request.num_to_select
+        warmup = p.warmup_rounds if p.warmup_rounds is not None else default_warmup(cands.size, k)
+        if 0 < warmup and request.round <= warmup:
+            block = warmup_block(cands, k, request.seed, request.round)
+            if block.size:
+                return SelectionOutput(selected=tuple(block.tolist()))
+        if request.similarity is None:
+            raise InvalidInput(
+                "DIVFL needs similarity: the Gram matrix (inner products) of the candidates' last updates"
+            )
+        distance = euclidean_from_gram(request.similarity)
+        order = round_rng(request.seed, request.round).permutation(cands.size)
+        picked = facility_location_greedy(distance, k, order)
+        return SelectionOutput(selected=tuple(cands[picked].tolist()))
