@@ -3,6 +3,7 @@ partition exposes, their config validation, and the engine reporting found clust
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from aggregator_service.engine import RoundEngine
 from aggregator_service.inprocess import InProcessTransport
 from aggregator_service.peers import LocalPrivacy, LocalSelector
-from fairfl.config import ConfigError, experiment_from_dict
+from fairfl.compare import load_comparison
+from fairfl.config import ConfigError, experiment_from_dict, load_experiment
 from fairfl.data import build_federated, client_groups, partition_label_groups
 from fairfl.data.datasets import DatasetNotFoundError, load_dataset
 from fairfl.results import RunRecorder
@@ -153,3 +155,23 @@ def test_engine_reports_found_clusters_and_nmi_against_true_groups() -> None:
     summary = recorder.summary()
     assert summary["client_groups"] == [0, 0, 1, 1]
     assert summary["clustering"] == {"rounds": 2, "nmi_mean": 1.0, "rounds_all_groups": 2, "nmi_all_groups_mean": 1.0}
+
+
+def test_presets_follow_the_papers_mnist_setup() -> None:
+    here = Path(__file__).resolve().parents[2] / "experiments" / "equitable"
+    cfg = load_experiment(here / "fmnist_mlp.yaml")
+    d = cfg.data
+    assert (d.dataset, d.num_clients, d.partition) == ("fashion_mnist", 10, "label_groups")
+    assert (d.group_sizes, d.group_classes, d.samples_per_class) == ([4, 6], [4, 6], 800)
+    assert cfg.selection.clients_per_round == 4 and cfg.training.budget() == ("local_epochs", 5)
+    assert (cfg.model.name, cfg.model.hidden) == ("mlp", [200, 200])
+    assert (cfg.strategy.name, cfg.strategy.params) == ("equitable", {"num_clusters": 2, "mu": 0.01})
+    spec = load_comparison(here / "fmnist.compare.yaml")
+    assert spec.target_accuracy == 75.0
+    runs = {r.label: (spec.experiment(r, r.seeds[0]).strategy.name, r.seeds) for r in spec.runs}
+    assert runs == {
+        "Equitable-FL": ("equitable", [0, 1, 2]),
+        "FedProx": ("fedprox", [0, 1, 2]),
+        "FedProx + Cluster2": ("cluster2", [0]),
+        "FedProx + FairFed": ("fairfed", [0]),
+    }
