@@ -21,17 +21,20 @@ import torch
 
 from aggregator_service.clustering_peer import LocalClusterer
 from aggregator_service.dp import DpController
+from aggregator_service.selection import SelectionDriver, Selector
 from aggregator_service.strategies import RoundContext, Strategy, build_strategy
+from aggregator_service.strategies.base import train_results
 from client_agent.trainer import build_global_model
 from fairfl.config import ExperimentConfig
 from fairfl.data.groups import client_groups
 from fairfl.metrics.fairness import fairness_report
 from fairfl.params import ParamLayout, flatten_parameters
 from fairfl.privacy import dp_seed
-from fairfl.protocol import EVALUATE, ClientResult
+from fairfl.protocol import EVALUATE, PROBE, ClientResult
 from fairfl.v1 import clustering_pb2, common_pb2, control_pb2, federation_pb2, tensor_pb2
 
 log = logging.getLogger(__name__)
+SELECTION_PROBE_PHASE = 98  # task-id phase index of power-of-choice's loss probe (evaluation is 99)
 
 
 def dataset_signature(config: ExperimentConfig) -> tuple[tuple[int, ...], int]:
@@ -95,10 +98,6 @@ class ClientTransport(ABC):
         del run_id
 
 
-class Selector(Protocol):
-    def select(self, run_id: str, round_number: int, candidates: list[int], count: int, seed: int) -> list[int]: ...
-
-
 class PrivacyGate(Protocol):
     def start(self, run_id: str, config: ExperimentConfig) -> None: ...
 
@@ -143,6 +142,8 @@ class RoundEngine:
         self.on_event = on_event
         self.stop = stop or threading.Event()
         self.layout, self.params = initial_model(config)
+        # What the selection method needs from rounds (signatures, probes, updates); see aggregator_service.selection.
+        self.selection = SelectionDriver(config, selector, self.layout.numel)
         self.strategy: Strategy = build_strategy(
             config.strategy.name, config.strategy.params, config.strategy.server_lr
         )
@@ -214,6 +215,7 @@ class RoundEngine:
         )
         unit, count = t.budget()
         setattr(cfg, unit, count)
+        cfg.want_bias_update = self.selection.wants_bias_update  # HiCS-FL's signature
         if self.dp is not None:
             self.dp.configure(cfg)
         return cfg
@@ -244,6 +246,16 @@ class RoundEngine:
             tasks.append(task)
         return tasks
 
+    def _probe_losses(self, round_number: int, clients: list[int], model: tensor_pb2.BlobRef) -> dict[int, float]:
+        """F_k(θ_t) of `clients` (power-of-choice's candidates): a loss-only PROBE of the global model."""
+        t = self.config.training
+        probe = federation_pb2.ProbeConfig(batch_size=t.batch_size, loss_eval_batches=t.loss_eval_batches)
+        tasks = self._tasks(
+            round_number, SELECTION_PROBE_PHASE, PROBE, clients, model, lambda task: task.probe.CopyFrom(probe)
+        )
+        outcome = self.transport.execute(tasks, self.config.runtime.round_timeout_s)
+        return {r.client_id: r.loss_before for r in outcome.results}
+
     def _run_round(self, round_number: int) -> None:
         cfg = self.config
         started = time.monotonic()
@@ -252,7 +264,14 @@ class RoundEngine:
         count = min(cfg.selection.clients_per_round, len(candidates))
         if count == 0:
             raise RuntimeError("no clients available")
-        selected = sorted(self.selector.select(self.run_id, round_number, candidates, count, cfg.seed))
+        selected, selection_seconds = self.selection.select(
+            self.run_id,
+            round_number,
+            candidates,
+            count,
+            cfg.seed,
+            lambda clients: self._probe_losses(round_number, clients, model_ref),
+        )
         # Records this round's privacy events before any task leaves; a refusal stops the run (RunStopped).
         epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected, len(candidates))
         ctx = RoundContext(
@@ -267,12 +286,15 @@ class RoundEngine:
             true_groups=self.true_groups,
             cluster=self.clusterer,
         )
-        event = control_pb2.RoundEvent(round=round_number, selected=selected, epsilon_spent=epsilon)
+        event = control_pb2.RoundEvent(
+            round=round_number, selected=selected, epsilon_spent=epsilon, selection_seconds=selection_seconds
+        )
         phases: list[list[ClientResult]] = []
         aggregated = True
         phase_index = 0
         while (plan := self.strategy.configure(ctx, phase_index, phases)) is not None:
-            clients = plan.clients if plan.clients is not None else selected
+            # A sampler may draw a client twice (Clustered Sampling); it trains once.
+            clients = plan.clients if plan.clients is not None else sorted(set(selected))
 
             def fill(task: federation_pb2.Task, plan=plan) -> None:
                 if plan.train is not None:
@@ -304,6 +326,7 @@ class RoundEngine:
             if self.dp is not None:
                 self.dp.observe(outcome.results)
             phase_index += 1
+        self.selection.observe(self.run_id, train_results(phases))
         if aggregated and phases:
             if self.dp is not None and self.dp.client_level:
                 outcome_agg = self.dp.aggregate(ctx, phases)

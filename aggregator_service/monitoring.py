@@ -189,6 +189,9 @@ class TimedSelector:
         with timed("select"):
             return self.inner.select(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:  # anything else a selector offers (reports, checkpoint state, close)
+        return getattr(self.inner, name)
+
 
 class TimedPrivacy:
     def __init__(self, inner: PrivacyGate) -> None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from aggregator_service.dp import round_events, run_budget
-from clustering_service import SelectionInput, StateStore, select
+from aggregator_service.selection import SelectionContext, select_request, selection_input
+from clustering_service import SelectionOutput, StateStore, select
+from clustering_service.samplers import parse_method
+from clustering_service.servicer import signature_from_proto
 from fairfl.config import ExperimentConfig
 from fairfl.rpc import SHORT_DEADLINE, open_channel
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, privacy_pb2, privacy_pb2_grpc
@@ -18,41 +22,55 @@ from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, privacy_pb2, privacy_
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_METHODS = {"random": clustering_pb2.SELECTION_METHOD_RANDOM, "full": clustering_pb2.SELECTION_METHOD_FULL}
-
 
 class LocalSelector:
-    def __init__(self, method: str) -> None:
-        self.method = _METHODS[method]
-        self.store = StateStore()
+    """The clustering service's samplers in-process: the same request (aggregator_service.selection) and the same
+    signature decoding as the service, so both transports select identically."""
 
-    def select(self, run_id: str, round_number: int, candidates: list[int], count: int, seed: int) -> list[int]:
-        request = SelectionInput(
-            run_id=run_id, round=round_number, num_to_select=count, candidates=candidates, seed=seed
-        )
-        return list(select(self.method, request, self.store.run(run_id)).selected)
+    def __init__(self, method: str) -> None:
+        self.method = parse_method(method)  # config names: random, full, hics, power_of_choice, clustered, divfl
+        self.store = StateStore()
+        self.latest: dict[tuple[str, int], clustering_pb2.ClientSignature] = {}  # (run, client): for checkpoints
+
+    def select(self, context: SelectionContext) -> SelectionOutput:
+        return select(self.method, selection_input(context), self.store.run(context.run_id))
+
+    def report_signatures(self, run_id: str, signatures: Sequence[clustering_pb2.ClientSignature]) -> None:
+        self.store.run(run_id).put([signature_from_proto(s) for s in signatures])
+        for sig in signatures:
+            old = self.latest.get((run_id, sig.client_id))
+            if old is None or sig.round >= old.round:
+                self.latest[(run_id, sig.client_id)] = sig
+
+    def state_dict(self) -> dict[str, Any]:
+        """The latest signature of every client (the store keeps nothing else), as in RemoteSelector.state_dict."""
+        cached = sorted(self.latest.items())
+        return {"signatures": [[run, np.frombuffer(s.SerializeToString(), dtype=np.uint8)] for (run, _), s in cached]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for run, raw in state.get("signatures", []):
+            sig = clustering_pb2.ClientSignature.FromString(np.asarray(raw, dtype=np.uint8).tobytes())
+            self.report_signatures(str(run), [sig])
 
 
 class RemoteSelector:
     def __init__(self, address: str, method: str) -> None:
-        self.method = _METHODS[method]
+        self.method = int(parse_method(method))  # the enum mirrors fairfl.v1.SelectionMethod
         self.channel = open_channel(address)
         self.stub = clustering_pb2_grpc.ClusteringStub(self.channel)
 
-    def select(self, run_id: str, round_number: int, candidates: list[int], count: int, seed: int) -> list[int]:
-        reply = self.stub.Select(
-            clustering_pb2.SelectRequest(
-                run_id=run_id,
-                round=round_number,
-                num_to_select=count,
-                candidates=candidates,
-                method=self.method,
-                seed=seed,
-            ),
-            timeout=SHORT_DEADLINE,
-            wait_for_ready=True,
+    def report_signatures(self, run_id: str, signatures: Sequence[clustering_pb2.ClientSignature]) -> None:
+        request = clustering_pb2.ReportSignaturesRequest(run_id=run_id, signatures=list(signatures))
+        self.stub.ReportSignatures(request, timeout=SHORT_DEADLINE, wait_for_ready=True)
+
+    def select(self, context: SelectionContext) -> SelectionOutput:
+        reply = self.stub.Select(select_request(self.method, context), timeout=SHORT_DEADLINE, wait_for_ready=True)
+        return SelectionOutput(
+            selected=tuple(reply.selected),
+            cluster_of_selected=tuple(reply.cluster_of_selected),
+            seconds=reply.selection_seconds,
+            needs_losses=reply.needs_losses,
         )
-        return list(reply.selected)
 
 
 _MECHANISM_ENUM = {

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -211,6 +211,27 @@ class SelectionDriver:
         # Sorted; Clustered Sampling may draw a client twice, and the repeat stays (the engine trains it once, a
         # draw-weighted strategy such as cluster2 counts it twice).
         return sorted(out.selected), seconds
+
+    def state_dict(self) -> dict[str, Any]:
+        """For the aggregator's checkpoint: clients' data sizes and the update bank (Clustered Sampling, DivFL)."""
+        ids = sorted(self.sizes)
+        state: dict[str, Any] = {"sizes": np.array([ids, [self.sizes[c] for c in ids]], dtype=np.int64)}
+        if self.bank is not None:
+            state["bank_rows"] = self.bank.rows
+            state["bank_gram"] = self.bank.gram
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ids, sizes = np.asarray(state["sizes"], dtype=np.int64).reshape(2, -1)
+        self.sizes = dict(zip(ids.tolist(), sizes.tolist(), strict=True))
+        if self.bank is not None and "bank_rows" in state:
+            rows = torch.as_tensor(np.asarray(state["bank_rows"]))
+            if rows.shape != self.bank.rows.shape:
+                raise ValueError(
+                    f"checkpoint's update bank is {list(rows.shape)}, this run's {list(self.bank.rows.shape)}"
+                )
+            self.bank.rows.copy_(rows)
+            self.bank.gram[:] = np.asarray(state["bank_gram"])
 
     def observe(self, run_id: str, results: Sequence[ClientResult]) -> None:
         """After training: sizes, HiCS-FL signatures to the selector, updates to the bank."""
