@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from aggregator_service.checkpoint import RunCheckpointer
 from aggregator_service.clustering_peer import LocalClusterer
 from aggregator_service.dp import DpController
 from aggregator_service.selection import SelectionDriver, Selector
@@ -87,7 +88,8 @@ class ClientTransport(ABC):
     def publish(self, flat: torch.Tensor) -> tensor_pb2.BlobRef: ...
 
     @abstractmethod
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome: ...
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
+        """Run the tasks; return when all answered, at `timeout`, or once `quorum` results are in (the rest close)."""
 
     def refused_after_close(self, round_number: int) -> tuple[int, int]:
         """(late, duplicate) results of this round refused after their task closed, not yet reported."""
@@ -155,6 +157,12 @@ class RoundEngine:
         self._published: tuple[torch.Tensor, tensor_pb2.BlobRef] | None = None
         # DP runs: DP-SGD settings in every TRAIN task, per-client loss clip bounds, client-level aggregation.
         self.dp = DpController(config, dp_randomness) if config.privacy.enabled else None
+        # Reliability (docs/reliability.md): a checkpoint after every round, and where a resumed run starts.
+        self.checkpointer: RunCheckpointer | None = None
+        self.start_round = 1
+        self.completed_round = 0
+        self.replay: tuple[int, list[int], int] | None = None  # (round, selected, population) authorised pre-crash
+        self.failed_rounds = 0  # consecutive rounds below runtime.min_completion
 
     def _status(self, state: int, message: str = "") -> None:
         status = control_pb2.RunStatus(
@@ -171,26 +179,42 @@ class RoundEngine:
         cfg = self.config
         self.transport.start_run(self.run_id, cfg, self.layout)
         try:
-            self._status(control_pb2.RUN_STATE_PENDING, f"waiting for {cfg.data.num_clients} clients")
+            resuming = f"resuming after round {self.start_round - 1}: " if self.start_round > 1 else ""
+            self._status(control_pb2.RUN_STATE_PENDING, f"{resuming}waiting for {cfg.data.num_clients} clients")
             self.transport.wait_for_clients(cfg.data.num_clients, cfg.runtime.register_timeout_s, self.stop)
             self.privacy.start(self.run_id, cfg)
             self._status(control_pb2.RUN_STATE_RUNNING)
-            for round_number in range(1, cfg.rounds + 1):
+            for round_number in range(self.start_round, cfg.rounds + 1):
                 if self.stop.is_set():
                     raise RunStopped("stopped on request")
                 self.round = round_number
                 self._run_round(round_number)
-            self._status(control_pb2.RUN_STATE_COMPLETED, f"completed {cfg.rounds} rounds")
+            self._end(control_pb2.RUN_STATE_COMPLETED, f"completed {cfg.rounds} rounds")
             return RunSummary(self.run_id, control_pb2.RUN_STATE_COMPLETED, self.round, self.params)
         except RunStopped as stopped:
-            self._status(control_pb2.RUN_STATE_STOPPED, str(stopped))
-            return RunSummary(self.run_id, control_pb2.RUN_STATE_STOPPED, self.round - 1, self.params, str(stopped))
+            self._end(control_pb2.RUN_STATE_STOPPED, str(stopped))
+            return RunSummary(
+                self.run_id, control_pb2.RUN_STATE_STOPPED, self.completed_round, self.params, str(stopped)
+            )
         except Exception as err:
             log.exception("run %s failed", self.run_id)
-            self._status(control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}")
-            return RunSummary(self.run_id, control_pb2.RUN_STATE_FAILED, self.round - 1, self.params, str(err))
+            self._end(control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}")
+            return RunSummary(self.run_id, control_pb2.RUN_STATE_FAILED, self.completed_round, self.params, str(err))
         finally:
             self.transport.end_run(self.run_id)
+            for peer in (self.selector, self.privacy, self.clusterer):  # remote peers hold a channel for the run
+                close = getattr(peer, "close", None)
+                if callable(close):
+                    close()
+
+    def _end(self, state: int, message: str) -> None:
+        """Mark the checkpoint final (a restarted aggregator must not resume an ended run), then report."""
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.finished(self, state, message)
+            except Exception:  # the run's outcome stands; an unmarked checkpoint is only resumed needlessly
+                log.exception("run %s: could not mark its checkpoint final", self.run_id)
+        self._status(state, message)
 
     def _publish_params(self) -> tensor_pb2.BlobRef:
         """Publish the global model once per version: evaluation, the round's sha256 and the next round reuse it."""
@@ -260,8 +284,10 @@ class RoundEngine:
         cfg = self.config
         started = time.monotonic()
         model_ref = self._publish_params()
-        candidates = self._run_clients()
-        count = min(cfg.selection.clients_per_round, len(candidates))
+        candidates = self._run_clients() or self._await_clients()
+        quorum = min(cfg.selection.clients_per_round, len(candidates))  # k: results a round aggregates
+        # Over-selection: select ceil(k(1 + o)) and close each phase at the first k results (docs/reliability.md).
+        count = min(len(candidates), math.ceil(quorum * (1 + cfg.runtime.over_selection) - 1e-9))
         if count == 0:
             raise RuntimeError("no clients available")
         selected, selection_seconds = self.selection.select(
@@ -272,8 +298,11 @@ class RoundEngine:
             cfg.seed,
             lambda clients: self._probe_losses(round_number, clients, model_ref),
         )
+        selected, population = self._replayed(round_number, selected, len(candidates))
         # Records this round's privacy events before any task leaves; a refusal stops the run (RunStopped).
-        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected, len(candidates))
+        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected, population)
+        if self.checkpointer is not None:
+            self.checkpointer.authorized(round_number, selected, population, epsilon)
         ctx = RoundContext(
             self.run_id,
             round_number,
@@ -304,13 +333,17 @@ class RoundEngine:
                 if self.dp is not None:
                     self.dp.fill(task)
 
-            outcome = self.transport.execute(
-                self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill),
-                cfg.runtime.round_timeout_s,
-            )
+            tasks = self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill)
+            if len(clients) > quorum:  # over-selected: the first k results close the phase
+                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s, quorum=quorum)
+                selected = ctx.selected = [r.client_id for r in outcome.results]  # later phases: the first k
+            else:
+                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s)
+            if self.stop.is_set():
+                raise RunStopped("stopped on request")
             event.results_accepted += len(outcome.results)
             event.results_rejected += outcome.rejected
-            needed = math.ceil(cfg.runtime.min_completion * len(clients))
+            needed = math.ceil(cfg.runtime.min_completion * min(len(clients), quorum))
             if len(outcome.results) < needed:
                 log.warning(
                     "round %d phase %d: %d of %d results (need %d); model kept",
@@ -321,6 +354,7 @@ class RoundEngine:
                     needed,
                 )
                 aggregated = False
+                self.failed_rounds += 1
                 break
             phases.append(outcome.results)
             if self.dp is not None:
@@ -335,6 +369,7 @@ class RoundEngine:
             if not bool(torch.isfinite(outcome_agg.params).all()):
                 raise RuntimeError(f"round {round_number}: aggregation produced non-finite parameters")
             self.params = outcome_agg.params
+            self.failed_rounds = 0
             event.aggregation_weights.extend(outcome_agg.weights[c] for c in sorted(outcome_agg.weights))
             event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome_agg.metrics.items())
             groups = self.true_groups or {}
@@ -353,7 +388,43 @@ class RoundEngine:
         event.results_rejected += duplicate
         event.model_sha256 = self._publish_params().sha256
         event.duration_seconds = time.monotonic() - started
+        self.completed_round = round_number
+        if self.checkpointer is not None:  # saved before anyone hears of the round: a reported round is never lost
+            self.checkpointer.completed(self, event)
         self.on_event(control_pb2.RunEvent(run_id=self.run_id, round=event))
+        if self.failed_rounds >= cfg.runtime.max_failed_rounds:
+            raise RuntimeError(
+                f"{self.failed_rounds} rounds in a row ended with fewer results than runtime.min_completion = "
+                f"{cfg.runtime.min_completion:g} of the selected clients (last: round {round_number}, "
+                f"{event.results_accepted} results); start more client agents, raise runtime.round_timeout_s, "
+                "lower runtime.min_completion or set runtime.over_selection"
+            )
+
+    def _await_clients(self) -> list[int]:
+        """Every agent vanished (restarts, a network cut): wait for clients as at the start of a run."""
+        timeout = self.config.runtime.register_timeout_s
+        deadline = time.monotonic() + timeout
+        log.warning("round %d: no client is reachable; waiting up to %.0fs for agents", self.round, timeout)
+        while not (candidates := self._run_clients()):
+            if self.stop.wait(0.2):
+                raise RunStopped("stopped on request")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"round {self.round}: no client reachable for runtime.register_timeout_s = {timeout:g}s; "
+                    "start client agents or check their connection to the aggregator"
+                )
+        return candidates
+
+    def _replayed(self, round_number: int, selected: list[int], population: int) -> tuple[list[int], int]:
+        """A round authorised before a crash is re-run with the selection it was authorised for, so the privacy
+        ledger sees the identical authorisation (and counts nothing twice) and the run matches an uninterrupted one."""
+        if self.replay is None or self.replay[0] != round_number:
+            return selected, population
+        _, replayed, population = self.replay
+        self.replay = None
+        if replayed != selected:
+            log.info("round %d: re-running the selection authorised before the restart", round_number)
+        return sorted(replayed), population
 
     def _evaluate(self, round_number: int, event: control_pb2.RoundEvent) -> None:
         ref = self._publish_params()
@@ -362,6 +433,8 @@ class RoundEngine:
             round_number, 99, EVALUATE, clients, ref, lambda t: t.evaluate.CopyFrom(federation_pb2.EvaluateConfig())
         )
         outcome = self.transport.execute(tasks, self.config.runtime.round_timeout_s)
+        if self.stop.is_set():
+            raise RunStopped("stopped on request")
         results = outcome.results
         missing = self.config.data.num_clients - len(results)
         if not results:

@@ -79,8 +79,25 @@ class _Batch:
 class FederationState:
     """Registered agents, task queues, open phases and the blob store; shared by the servicer and the transport."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+        agent_timeout: float = AGENT_TIMEOUT_S,
+        max_long_polls: int = 1 << 30,
+    ) -> None:
+        if not 0 < heartbeat_interval < agent_timeout:
+            raise ValueError(
+                f"agent timeout ({agent_timeout}s) must exceed the heartbeat interval ({heartbeat_interval}s) > 0"
+            )
         self.lock = threading.Condition()
+        # Liveness (docs/reliability.md): agents heartbeat this often; one silent for agent_timeout has vanished,
+        # its clients are no candidates and its open tasks close without waiting for the deadline.
+        self.heartbeat_interval = heartbeat_interval
+        self.agent_timeout = agent_timeout
+        # Every waiting poll holds a server worker: beyond this many a poll answers at once, so results, heartbeats
+        # and run control always find a free worker.
+        self.max_long_polls = max_long_polls
+        self.long_polls = 0
         self.agents: dict[str, _Agent] = {}
         self.client_owner: dict[int, str] = {}
         self.blobs = BlobStore()
@@ -128,16 +145,35 @@ class FederationState:
             return sorted(
                 cid
                 for cid, aid in self.client_owner.items()
-                if aid in self.agents and now - self.agents[aid].last_seen < AGENT_TIMEOUT_S
+                if aid in self.agents and now - self.agents[aid].last_seen < self.agent_timeout
             )
 
     def live_agents(self) -> int:
         now = time.monotonic()
         with self.lock:
-            return sum(1 for a in self.agents.values() if now - a.last_seen < AGENT_TIMEOUT_S)
+            return sum(1 for a in self.agents.values() if now - a.last_seen < self.agent_timeout)
+
+    def vanished(self, client_id: int, now: float) -> bool:
+        """The client's agent deregistered or fell silent (caller holds the lock)."""
+        agent = self.agents.get(self.client_owner.get(client_id, ""))
+        return agent is None or now - agent.last_seen >= self.agent_timeout
+
+    def wake(self) -> None:
+        """Wake every waiter (a phase, a wait for clients) so it rechecks its stop event now."""
+        with self.lock:
+            self.lock.notify_all()
 
     def poll(self, agent_id: str, max_tasks: int, wait: float) -> list[federation_pb2.Task]:
-        deadline = time.monotonic() + min(max(wait, 0.0), MAX_POLL_WAIT_S)
+        with self.lock:
+            if self.long_polls >= self.max_long_polls:
+                wait = 0.0  # no worker to spare for waiting: answer now (the agent backs off briefly)
+            self.long_polls += 1
+            try:
+                return self._poll(agent_id, max_tasks, time.monotonic() + min(max(wait, 0.0), MAX_POLL_WAIT_S))
+            finally:
+                self.long_polls -= 1
+
+    def _poll(self, agent_id: str, max_tasks: int, deadline: float) -> list[federation_pb2.Task]:
         with self.lock:
             while True:
                 agent = self.agents.get(agent_id)
@@ -288,6 +324,7 @@ class FederationState:
 class GrpcTransport(ClientTransport):
     def __init__(self, state: FederationState) -> None:
         self.state = state
+        self.stop = threading.Event()  # the run's stop event (from wait_for_clients): phases end as soon as it is set
 
     def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None:
         with self.state.lock:
@@ -296,6 +333,7 @@ class GrpcTransport(ClientTransport):
             self.state.layout = layout
 
     def wait_for_clients(self, num_clients: int, timeout: float, stop: threading.Event) -> None:
+        self.stop = stop
         deadline = time.monotonic() + timeout
         while len([c for c in self.state.live_clients() if c < num_clients]) < num_clients:
             if stop.is_set():
@@ -317,10 +355,12 @@ class GrpcTransport(ClientTransport):
         assert self.state.layout is not None
         return self.state.blobs.put(self.state.layout, flat)
 
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome:
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
         state = self.state
         batch = _Batch(pending={t.task_id: t for t in tasks})
         deadline = time.monotonic() + timeout
+        wanted = len(tasks) if quorum is None else quorum
+        check_every = min(1.0, state.agent_timeout / 4)  # how soon a vanished agent's tasks close
         missing_owner: list[int] = []
         with state.lock:
             for task in tasks:
@@ -332,8 +372,17 @@ class GrpcTransport(ClientTransport):
                 state.open_tasks[task.task_id] = batch
                 agent.queue.append(task)
             state.lock.notify_all()
-            while batch.pending and (remaining := deadline - time.monotonic()) > 0:
-                state.lock.wait(remaining)
+            while batch.pending and len(batch.results) < wanted and not self.stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                state.lock.wait(min(remaining, check_every))
+                now = time.monotonic()
+                if batch.pending and all(state.vanished(t.client_id, now) for t in batch.pending.values()):
+                    # Nobody left who could answer: close now; those clients may come back in a later round.
+                    gone = sorted(t.client_id for t in batch.pending.values())
+                    log.info("phase closes early: clients %s vanished mid-round (agent silent or gone)", gone[:20])
+                    break
             for task_id in list(batch.pending):  # close the phase: anything still pending is now late
                 state.open_tasks.pop(task_id, None)
                 state._remember_closed(task_id, batch.pending[task_id].round, accepted=False)
@@ -409,7 +458,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             f" as {identity.describe()}" if identity is not None else "",
         )
         return federation_pb2.RegisterReply(
-            agent_id=agent.agent_id, heartbeat_interval_seconds=HEARTBEAT_INTERVAL_S, poll_wait_seconds=10.0
+            agent_id=agent.agent_id,
+            heartbeat_interval_seconds=self.state.heartbeat_interval,
+            poll_wait_seconds=10.0,
         )
 
     def Heartbeat(self, request: federation_pb2.HeartbeatRequest, context: grpc.ServicerContext):

@@ -52,11 +52,13 @@ class InProcessTransport(ClientTransport):
         assert self.layout is not None
         return self.blobs.put(self.layout, flat)
 
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome:
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
         assert self.runtime is not None
         results: list[ClientResult] = []
         rejected = 0
         for task in sorted(tasks, key=lambda t: t.client_id):
+            if quorum is not None and len(results) >= quorum:  # in-process, "first k" are the lowest client ids
+                break
             result = self.runtime.run(task)
             try:
                 check_result(result)

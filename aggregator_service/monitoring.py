@@ -166,11 +166,11 @@ class InstrumentedTransport(ClientTransport):
         with timed("publish"):
             return self.inner.publish(flat)
 
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float) -> PhaseOutcome:
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
         phase = phase_name(tasks[0].phase) if tasks else "other"
         t.TASKS_SENT.labels(phase).inc(len(tasks))
         with timed(phase):
-            outcome = self.inner.execute(tasks, timeout)
+            outcome = self.inner.execute(tasks, timeout, quorum)
         t.TASKS_UNANSWERED.labels(phase).inc(len(outcome.missing))
         return outcome
 

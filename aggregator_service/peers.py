@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -21,6 +23,8 @@ from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, privacy_pb2, privacy_
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Selection and signature reports are idempotent per round: retried through a clustering-service restart this long.
+PEER_RETRY_S = 120.0
 
 
 class LocalSelector:
@@ -54,23 +58,90 @@ class LocalSelector:
 
 
 class RemoteSelector:
-    def __init__(self, address: str, method: str) -> None:
+    """The clustering service's samplers. Select and ReportSignatures are idempotent per round, so calls are retried
+    through a service restart for PEER_RETRY_S. The service keeps signatures in memory: this peer keeps the latest
+    signature of every client it reported and re-sends them after its channel lost the connection (a restarted
+    service starts empty), before the next call; the cache is part of the aggregator's checkpoint."""
+
+    def __init__(self, address: str, method: str, retry_s: float = PEER_RETRY_S) -> None:
         self.method = int(parse_method(method))  # the enum mirrors fairfl.v1.SelectionMethod
+        self.address = address
         self.channel = open_channel(address)
         self.stub = clustering_pb2_grpc.ClusteringStub(self.channel)
+        self.retry_s = retry_s
+        self.signatures: dict[tuple[str, int], clustering_pb2.ClientSignature] = {}  # (run, client) -> latest
+        self._lock = threading.Lock()
+        self._ready = False
+        self._stale = False  # the connection dropped since signatures were last in sync
+        self.channel.subscribe(self._on_connectivity, try_to_connect=False)
+
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        with self._lock:
+            if state == grpc.ChannelConnectivity.READY:
+                self._ready = True
+            elif self._ready:
+                self._ready, self._stale = False, True
+
+    def _resync(self, run_id: str) -> None:
+        with self._lock:
+            stale, self._stale = self._stale, False
+            cached = [sig for (run, _), sig in sorted(self.signatures.items()) if run == run_id]
+        if stale and cached:
+            log.info("clustering service reconnected: re-reporting %d signatures of run %s", len(cached), run_id)
+            request = clustering_pb2.ReportSignaturesRequest(run_id=run_id, signatures=cached)
+            self._call(self.stub.ReportSignatures, request)
+
+    def _call(self, method: Callable[..., T], request: object) -> T:
+        try:
+            return call_with_retry(method, request, self.retry_s, f"clustering service at {self.address}")
+        except grpc.RpcError:
+            with self._lock:
+                self._stale = True  # whatever the service holds now, re-report before relying on it
+            raise
 
     def report_signatures(self, run_id: str, signatures: Sequence[clustering_pb2.ClientSignature]) -> None:
+        """Store clients' signatures in the service (and in this peer's cache, newest round per client)."""
+        self._resync(run_id)
+        with self._lock:
+            for sig in signatures:
+                old = self.signatures.get((run_id, sig.client_id))
+                if old is None or sig.round >= old.round:
+                    self.signatures[(run_id, sig.client_id)] = sig
         request = clustering_pb2.ReportSignaturesRequest(run_id=run_id, signatures=list(signatures))
-        self.stub.ReportSignatures(request, timeout=SHORT_DEADLINE, wait_for_ready=True)
+        self._call(self.stub.ReportSignatures, request)
 
     def select(self, context: SelectionContext) -> SelectionOutput:
-        reply = self.stub.Select(select_request(self.method, context), timeout=SHORT_DEADLINE, wait_for_ready=True)
+        self._resync(context.run_id)
+        reply = self._call(self.stub.Select, select_request(self.method, context))
         return SelectionOutput(
             selected=tuple(reply.selected),
             cluster_of_selected=tuple(reply.cluster_of_selected),
             seconds=reply.selection_seconds,
             needs_losses=reply.needs_losses,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The signature cache as (run id, serialised ClientSignature bytes) pairs."""
+        with self._lock:
+            return {
+                "signatures": [
+                    [run, np.frombuffer(sig.SerializeToString(), dtype=np.uint8).copy()]
+                    for (run, _), sig in sorted(self.signatures.items())
+                ]
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A restarted aggregator's cache; re-sent before the next call, as the service may have restarted too."""
+        with self._lock:
+            for run, raw in state.get("signatures", []):
+                sig = clustering_pb2.ClientSignature.FromString(np.asarray(raw, dtype=np.uint8).tobytes())
+                self.signatures[(str(run), sig.client_id)] = sig
+            self._stale = bool(self.signatures)
+
+    def close(self) -> None:
+        self.channel.unsubscribe(self._on_connectivity)
+        time.sleep(0.3)  # grpc's connectivity poller notices within 0.2 s; closing under it makes it raise
+        self.channel.close()
 
 
 _MECHANISM_ENUM = {
@@ -89,6 +160,22 @@ _ACCOUNTANT_ENUM = {"rdp": privacy_pb2.ACCOUNTANT_RDP, "pld": privacy_pb2.ACCOUN
 # retries through a privacy-service restart for this long before the run fails.
 PRIVACY_RETRY_S = 120.0
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def call_with_retry(method: Callable[..., T], request: object, retry_s: float, peer: str) -> T:
+    """An idempotent unary call, retried with jittered exponential backoff while the peer is down or restarting."""
+    deadline = time.monotonic() + retry_s
+    backoff = 0.2
+    while True:
+        try:
+            return method(request, timeout=SHORT_DEADLINE, wait_for_ready=True)
+        except grpc.RpcError as err:
+            pause = backoff * random.uniform(0.5, 1.0)
+            if err.code() not in _RETRYABLE or time.monotonic() + pause > deadline:
+                raise
+            log.warning("%s: %s (%s); retrying in %.1fs", peer, err.code().name, err.details(), pause)
+            time.sleep(pause)
+            backoff = min(backoff * 2, 5.0)
 
 
 def _budget_exhausted(details: str) -> Exception:
@@ -110,17 +197,10 @@ class RemotePrivacy:
         self.retry_s = retry_s
 
     def _call(self, method: Callable[..., T], request: object) -> T:
-        deadline = time.monotonic() + self.retry_s
-        backoff = 0.2
-        while True:
-            try:
-                return method(request, timeout=SHORT_DEADLINE, wait_for_ready=True)
-            except grpc.RpcError as err:
-                if err.code() not in _RETRYABLE or time.monotonic() + backoff > deadline:
-                    raise
-                log.warning("privacy service %s (%s); retrying in %.1fs", err.code().name, err.details(), backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        return call_with_retry(method, request, self.retry_s, "privacy service")
+
+    def close(self) -> None:
+        self.channel.close()
 
     def start(self, run_id: str, config: ExperimentConfig) -> None:
         self._call(self.stub.RegisterBudget, _budget_request(run_id, config))
@@ -157,9 +237,41 @@ class LocalPrivacy:
         from privacy_service.ledger import SqliteLedger
 
         self.ledger = SqliteLedger(":memory:")
+        self.run_ids: list[str] = []
 
     def start(self, run_id: str, config: ExperimentConfig) -> None:
         self.ledger.register_budget(run_budget(run_id, config))
+        if run_id not in self.run_ids:
+            self.run_ids.append(run_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The in-memory ledger (budgets and recorded events), so a resumed run keeps counting from where it was."""
+        import dataclasses
+
+        runs = []
+        for run_id in self.run_ids:
+            events = [
+                [e.round, e.principal, e.mechanism, e.sample_rate, e.noise_multiplier, e.count]
+                for e in self.ledger.events(run_id)
+            ]
+            runs.append({"budget": dataclasses.asdict(self.ledger.get_budget(run_id)), "events": events})
+        return {"runs": runs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from privacy_service.ledger import Budget, Event
+
+        for run in state.get("runs", []):
+            budget = dict(run["budget"])
+            orders = budget.get("orders")
+            budget["orders"] = None if orders is None else tuple(orders)
+            self.ledger.register_budget(Budget(**budget))
+            if budget["run_id"] not in self.run_ids:
+                self.run_ids.append(budget["run_id"])
+            rounds: dict[int, list[Event]] = {}
+            for round_, principal, mechanism, q, sigma, count in run["events"]:
+                rounds.setdefault(int(round_), []).append(Event(principal, mechanism, q, sigma, int(count)))
+            for round_, events in sorted(rounds.items()):  # each prefix was within budget when first recorded
+                self.ledger.authorize_round(budget["run_id"], round_, events)
 
     def authorize_round(
         self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int], population: int

@@ -7,9 +7,11 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
+from aggregator_service.checkpoint import CheckpointError, Loaded, load, run_directory
 from aggregator_service.engine import RoundEngine
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
 from fairfl.rpc import CHUNK_BYTES
@@ -35,8 +37,12 @@ class _Run:
 
 
 class RunManager:
-    def __init__(self, make_engine: EngineFactory) -> None:
+    def __init__(
+        self, make_engine: EngineFactory, on_stop: Callable[[], None] | None = None, checkpoint_dir: str = ""
+    ) -> None:
         self.make_engine = make_engine
+        self.on_stop = on_stop  # wakes a waiting phase, so a stop takes effect now rather than at its deadline
+        self.checkpoint_dir = checkpoint_dir  # default root of run checkpoints (runtime.checkpoint_dir overrides)
         self.cond = threading.Condition()
         self.runs: dict[str, _Run] = {}
 
@@ -44,7 +50,34 @@ class RunManager:
         with self.cond:
             return next((r for r in self.runs.values() if r.status.state not in TERMINAL), None)
 
-    def start(self, config: ExperimentConfig, run_id: str = "") -> control_pb2.RunStatus:
+    def checkpoint_directory(self, run_id: str, config: ExperimentConfig) -> Path | None:
+        root = config.runtime.checkpoint_dir or self.checkpoint_dir
+        return run_directory(root, run_id) if root else None
+
+    def _resumable(self, run_id: str, config: ExperimentConfig) -> Loaded | None:
+        """The checkpoint a StartRun for `run_id` resumes (an unfinished or failed run), or None for a new run."""
+        try:
+            directory = self.checkpoint_directory(run_id, config)
+            loaded = load(directory) if directory is not None else None
+        except CheckpointError as err:
+            raise RunStartError(str(err)) from err
+        if loaded is None:
+            return None
+        ckpt = loaded.checkpoint
+        if ckpt.finished and ckpt.final_state != "RUN_STATE_FAILED":
+            raise KeyError(
+                f"run id {run_id!r} already ran to its end ({ckpt.final_state}; checkpoint in {loaded.directory}): "
+                "use a new run id"
+            )
+        if loaded.config.to_dict() != config.to_dict():
+            raise RunStartError(
+                f"run {run_id!r} has a checkpoint in {loaded.directory} made with a different experiment config: "
+                "resume it with the same config, or use a new run id"
+            )
+        return loaded
+
+    def start(self, config: ExperimentConfig, run_id: str = "", resume: Loaded | None = None) -> control_pb2.RunStatus:
+        """Start a run, or resume it from its checkpoint when one exists for `run_id` (docs/reliability.md)."""
         with self.cond:
             busy = self.active()
             if busy is not None:
@@ -52,13 +85,28 @@ class RunManager:
             run_id = run_id or uuid.uuid4().hex[:12]
             if run_id in self.runs:
                 raise KeyError(f"run id {run_id!r} already used")
+            if resume is None:
+                resume = self._resumable(run_id, config)
             status = control_pb2.RunStatus(
-                run_id=run_id, state=control_pb2.RUN_STATE_PENDING, total_rounds=config.rounds
+                run_id=run_id,
+                state=control_pb2.RUN_STATE_PENDING,
+                total_rounds=config.rounds,
+                round=resume.checkpoint.round if resume else 0,
             )
             run = _Run(run_id, config, threading.Event(), status)
+            if resume is not None:  # watchers get the run's history first, as if it had never stopped
+                run.events = [control_pb2.RunEvent(run_id=run_id, round=r) for r in resume.rounds]
             self.runs[run_id] = run
         try:
             engine = self.make_engine(run_id, config, lambda e: self._record(run, e), run.stop)
+            checkpointer = getattr(engine, "checkpointer", None)  # set by factories that checkpoint
+            if checkpointer is not None:
+                if resume is not None:
+                    checkpointer.restore(engine, resume)
+                else:
+                    checkpointer.start_fresh()
+            elif resume is not None:
+                raise RunStartError(f"run {run_id!r} has a checkpoint, but this aggregator writes none to resume")
         except Exception as err:  # a run that cannot start must not block the next one
             with self.cond:
                 run.status.state = control_pb2.RUN_STATE_FAILED
@@ -109,6 +157,8 @@ class RunManager:
     def stop(self, run_id: str, reason: str) -> control_pb2.RunStatus:
         run = self.get(run_id)
         run.stop.set()
+        if self.on_stop is not None:
+            self.on_stop()
         log.info("stop requested for run %s: %s", run_id, reason or "no reason given")
         return self.status(run_id)
 

@@ -11,12 +11,14 @@ from collections.abc import Callable
 
 import grpc
 
+from aggregator_service.checkpoint import RunCheckpointer, find_unfinished
 from aggregator_service.clustering_peer import RemoteClusterer
 from aggregator_service.engine import PrivacyGate, RoundEngine, Selector
 from aggregator_service.federation import SERVICE_NAME as FEDERATION_SERVICE
 from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
 from aggregator_service.monitoring import InstrumentedTransport, RunMonitor, TimedPrivacy, TimedSelector, TimedStrategy
 from aggregator_service.peers import LocalPrivacy, LocalSelector, RemotePrivacy, RemoteSelector
+from aggregator_service.reliability import ReliabilityOptions, add_reliability_arguments, options_from_args
 from aggregator_service.runs import SERVICE_NAME as CONTROL_SERVICE
 from aggregator_service.runs import RunControlServicer, RunManager
 from fairfl import telemetry, tls
@@ -40,11 +42,18 @@ SERVICE_NAMES = [FEDERATION_SERVICE, CONTROL_SERVICE]
 
 
 class Aggregator:
-    def __init__(self, clustering_address: str = "", privacy_address: str = "") -> None:
-        self.state = FederationState()
+    def __init__(
+        self, clustering_address: str = "", privacy_address: str = "", options: ReliabilityOptions | None = None
+    ) -> None:
+        self.options = options or ReliabilityOptions()
+        self.state = FederationState(
+            self.options.heartbeat_interval, self.options.agent_timeout, self.options.max_long_polls
+        )
         self.clustering_address = clustering_address
         self.privacy_address = privacy_address
-        self.manager = RunManager(self._make_engine)
+        self.manager = RunManager(
+            self._make_engine, on_stop=self.state.wake, checkpoint_dir=self.options.checkpoint_dir
+        )
         telemetry.enable("aggregator")
         telemetry.CONNECTED_CLIENTS.set_function(lambda: len(self.state.live_clients()))
         telemetry.CONNECTED_AGENTS.set_function(self.state.live_agents)
@@ -80,7 +89,24 @@ class Aggregator:
             clusterer=RemoteClusterer(self.clustering_address) if self.clustering_address else None,
         )
         engine.strategy = TimedStrategy(engine.strategy)
+        directory = self.manager.checkpoint_directory(run_id, config)
+        if directory is not None:
+            engine.checkpointer = RunCheckpointer(directory, run_id, config)
         return engine
+
+    def resume_unfinished(self) -> str | None:
+        """Resume the most recently checkpointed run that had not ended (one run is active at a time); its id."""
+        if not self.options.checkpoint_dir:
+            return None
+        found = find_unfinished(self.options.checkpoint_dir)
+        for other in found[1:]:
+            log.warning("run %s also has an unfinished checkpoint; StartRun with its id resumes it", other.run_id)
+        if not found:
+            return None
+        latest = found[0]
+        log.info("resuming run %s from its checkpoint in %s", latest.run_id, latest.directory)
+        self.manager.start(latest.config, latest.run_id, resume=latest)
+        return latest.run_id
 
     def register(self, server: grpc.Server) -> list[str]:
         federation_pb2_grpc.add_FederationServicer_to_server(FederationServicer(self.state), server)
@@ -108,12 +134,13 @@ def serve(
     security: TransportSecurity | None = None,
     policy: AccessPolicy | None = None,
     health_bind: str = "",
+    options: ReliabilityOptions | None = None,
 ) -> tuple[RunningServer, Aggregator]:
-    aggregator = Aggregator(clustering_address, privacy_address)
+    aggregator = Aggregator(clustering_address, privacy_address, options)
     running = start_server(
         bind,
         aggregator.register,
-        max_workers=64,
+        max_workers=aggregator.options.max_workers,
         security=security,
         policy=policy or access_policy(),
         health_bind=health_bind,
@@ -138,12 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     telemetry.add_metrics_arguments(parser)
     add_transport_arguments(parser)
     add_limit_arguments(parser)
+    add_reliability_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     security = transport_from_args(parser, args)  # also the identity it dials clustering and privacy with
     metrics = telemetry.start_from_args(args, "aggregator")
     policy = access_policy(args.rate_limit, args.rate_burst, args.max_in_flight)
-    running, _ = serve(args.bind, args.clustering, args.privacy, security, policy, args.health_bind)
+    options = options_from_args(parser, args)
+    running, aggregator = serve(args.bind, args.clustering, args.privacy, security, policy, args.health_bind, options)
+    try:
+        aggregator.resume_unfinished()
+    except Exception:  # a broken checkpoint must not keep the aggregator down: new runs still start
+        log.exception("could not resume the unfinished run in %s", options.checkpoint_dir)
     # Launchers asking for port 0 read the bound ports from this line.
     print(telemetry.announcement(running.port, metrics), flush=True)
     serve_until_signal(running, SERVICE_NAMES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import socket
 import sys
 import threading
@@ -21,11 +22,12 @@ import grpc
 import torch
 
 from client_agent.dp_sgd import DpPolicy, PolicyRefusal
+from client_agent.faults import DropPlan
 from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
 from fairfl import __version__, codec, telemetry
 from fairfl.config import experiment_from_yaml
 from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
-from fairfl.protocol import encode_result
+from fairfl.protocol import ClientResult, encode_result
 from fairfl.rpc import (
     SHORT_DEADLINE,
     TRANSFER_DEADLINE,
@@ -69,8 +71,13 @@ class Agent:
         dp_policy: DpPolicy | None = None,
         dp_randomness: str = "secure",
         security: TransportSecurity | None = None,
+        faults: DropPlan | None = None,
     ) -> None:
         self.client_ids = client_ids
+        self.faults = faults  # tests only: clients that drop out of each round
+        # The last DP release of each client with its task: a task sent again (the aggregator restarted and re-runs
+        # the round it had authorised) gets the same release back instead of fresh noise (docs/reliability.md).
+        self.released: dict[int, tuple[bytes, ClientResult]] = {}
         self.dp_policy = dp_policy or DpPolicy()  # the weakest DP this agent's owner accepts
         self.dp_randomness = check_randomness(dp_randomness)
         self.device = resolve_device(device)
@@ -104,12 +111,15 @@ class Agent:
                 log.info("registered as %s with %d clients on %s", self.agent_id[:8], len(self.client_ids), self.device)
                 return
             except grpc.RpcError as err:
-                log.warning("register failed (%s); retrying in %.1fs", err.code().name, backoff)
-                self.stop.wait(backoff)
+                # Jittered: agents cut off by one aggregator restart must not all come back in lockstep.
+                pause = backoff * random.uniform(0.5, 1.0)
+                log.warning("register failed (%s); retrying in %.1fs", err.code().name, pause)
+                self.stop.wait(pause)
                 backoff = min(backoff * 2, 10.0)
 
     def _heartbeats(self) -> None:
-        while not self.stop.wait(getattr(self, "heartbeat_interval", 5.0)):
+        # Until the first registration tells the interval, look often: the aggregator may expect one soon.
+        while not self.stop.wait(getattr(self, "heartbeat_interval", 0.2)):
             if not self.agent_id:
                 continue
             sent_for = self.agent_id
@@ -126,16 +136,20 @@ class Agent:
             if not self.agent_id:
                 self._register()
                 continue
+            polled = time.monotonic()
             try:
                 reply = self.stub.PollTasks(
                     federation_pb2.PollRequest(agent_id=self.agent_id, max_tasks=16, wait_seconds=self.poll_wait),
                     timeout=self.poll_wait + SHORT_DEADLINE,
                 )
             except grpc.RpcError as err:
+                # The aggregator restarted or is unreachable: register again (its clients resume with this agent).
                 log.warning("poll failed (%s: %s); re-registering", err.code().name, err.details())
                 self.agent_id = ""
-                self.stop.wait(0.5)
+                self.stop.wait(random.uniform(0.1, 0.5))
                 continue
+            if not reply.tasks and time.monotonic() - polled < self.poll_wait / 2:
+                self.stop.wait(random.uniform(0.2, 1.0))  # answered at once: the aggregator has no worker to spare
             for task in reply.tasks:
                 if self.stop.is_set():
                     break
@@ -155,6 +169,7 @@ class Agent:
             )
             self.runtimes = {run_id: runtime}  # one run at a time: drop older runs' data
             self.models.clear()
+            self.released.clear()
             log.info("prepared run %s: %d local clients", run_id, len(hosted))
         return runtime
 
@@ -183,12 +198,30 @@ class Agent:
             self.models.popitem(last=False)
         return flat
 
+    def _result(self, runtime: ClientRuntime, task: federation_pb2.Task) -> ClientResult:
+        if not (task.WhichOneof("config") == "train" and task.train.HasField("dp")):
+            return runtime.run(task)
+        same = federation_pb2.Task()
+        same.CopyFrom(task)
+        same.ClearField("deadline_unix")  # a re-sent task differs only in its deadline
+        key = same.SerializeToString(deterministic=True)
+        released = self.released.get(task.client_id)
+        if released is not None and released[0] == key:
+            log.info("task %s was answered before: sending the same DP release again", task.task_id)
+            return released[1]
+        result = runtime.run(task)
+        self.released[task.client_id] = (key, result)
+        return result
+
     def _handle(self, task: federation_pb2.Task) -> None:
         phase = _PHASES.get(task.phase, "other")
         started = time.perf_counter()
         try:
             runtime = self._runtime(task.run_id)
-            result = runtime.run(task)
+            if self.faults is not None and task.client_id in self.faults.dropped(sorted(runtime.clients), task.round):
+                log.info("fault injection: client %d drops out of round %d", task.client_id, task.round)
+                return
+            result = self._result(runtime, task)
         except PolicyRefusal as err:  # nothing is computed or sent; the round closes without this client
             log.error("task %s refused by this agent's privacy policy: %s", task.task_id, err)
             telemetry.AGENT_TASKS.labels(phase, "failed").inc()
@@ -245,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         f"simulations only; the server knows the seed); env {RANDOMNESS_ENV}",
     )
     DpPolicy.add_arguments(parser)
+    DropPlan.add_arguments(parser)
     telemetry.add_metrics_arguments(parser)
     add_transport_arguments(parser, server=False)
     args = parser.parse_args(argv)
@@ -256,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client_ids = parse_client_ids(args.clients)
         policy = DpPolicy.from_args(args)
+        faults = DropPlan.from_args(args)
     except ValueError as err:
         parser.error(str(err))
     torch.set_num_threads(max(1, args.threads))
@@ -266,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if metrics is not None:  # launchers read the metrics port from this line
         print(telemetry.announcement(None, metrics), flush=True)
-    agent = Agent(args.aggregator, client_ids, args.device, args.name, policy, args.dp_randomness, security)
+    agent = Agent(args.aggregator, client_ids, args.device, args.name, policy, args.dp_randomness, security, faults)
 
     import signal
 

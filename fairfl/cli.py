@@ -40,7 +40,42 @@ def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) 
         LocalPrivacy(),
         recorder,
     )
+    if config.runtime.checkpoint_dir:  # checkpoints are written as by the aggregator (resuming needs the service)
+        from aggregator_service.checkpoint import RunCheckpointer, run_directory
+
+        engine.checkpointer = RunCheckpointer(run_directory(config.runtime.checkpoint_dir, run_id), run_id, config)
+        engine.checkpointer.start_fresh()
     engine.run()
+
+
+def follow_run(control: Any, run_id: str, on_event: Callable[[Any], None], reconnect_s: float = 300.0) -> None:
+    """Pass a run's events to `on_event` until it ends, watching again when the aggregator restarts (it resumes the
+    run from its checkpoint and replays its rounds: each round is passed on once)."""
+    import grpc
+
+    from fairfl.v1 import control_pb2
+
+    seen: set[int] = set()
+    lost_at: float | None = None
+    while True:
+        try:
+            for event in control.WatchRun(control_pb2.WatchRunRequest(run_id=run_id), wait_for_ready=True):
+                lost_at = None
+                if event.HasField("round"):
+                    if event.round.round in seen:
+                        continue
+                    seen.add(event.round.round)
+                on_event(event)
+            return
+        except grpc.RpcError as err:
+            # NOT_FOUND: a restarted aggregator that has not resumed the run (yet)
+            retryable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+            if not retryable or (lost_at is not None and time.monotonic() - lost_at > reconnect_s):
+                raise
+            if lost_at is None:
+                lost_at = time.monotonic()
+                print(f"lost the aggregator ({err.code().name}); watching again", file=sys.stderr, flush=True)
+            time.sleep(1.0)
 
 
 def run_grpc(
@@ -66,7 +101,7 @@ def run_grpc(
     prometheus: Prometheus | None = None
     with cluster:
         if not aggregator:
-            agg, _, _ = cluster.start_services(out_dir)
+            agg, _, _ = cluster.start_services(out_dir, ["--checkpoint-dir", str(out_dir / "checkpoints")])
             aggregator = agg.address
             cluster.start_agents(
                 aggregator,
@@ -86,8 +121,7 @@ def run_grpc(
                     control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30
                 )
                 try:
-                    for event in control.WatchRun(control_pb2.WatchRunRequest(run_id=run_id)):
-                        recorder(event)
+                    follow_run(control, run_id, recorder)
                 except KeyboardInterrupt:
                     control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason="interrupted"), timeout=10)
                     raise

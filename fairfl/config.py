@@ -231,9 +231,21 @@ class RuntimeConfig:
     threads_per_agent: int = 1
     # Per-client Prometheus series (accuracy, loss) only for client ids below this, so label cardinality stays bounded.
     metrics_client_limit: int = 100
+    # Dropouts (docs/reliability.md): select ceil(k * (1 + over_selection)) clients and aggregate the first k results.
+    over_selection: float = 0.0
+    # A round below min_completion keeps the model; this many such rounds in a row stop the run (FAILED).
+    max_failed_rounds: int = 3
+    # Where the aggregator checkpoints this run (<dir>/<run id>/); empty = the aggregator's --checkpoint-dir.
+    checkpoint_dir: str = ""
 
     def validate(self, path: str) -> None:
         _at_least(self.agents, 1, f"{path}.agents")
+        _positive(self.over_selection, f"{path}.over_selection", allow_zero=True)
+        if self.over_selection > 10:
+            raise ConfigError(
+                f"{path}.over_selection: must be at most 10 (select up to 11x the clients), got {self.over_selection}"
+            )
+        _at_least(self.max_failed_rounds, 1, f"{path}.max_failed_rounds")
         _at_least(self.metrics_client_limit, 0, f"{path}.metrics_client_limit")
         _positive(self.round_timeout_s, f"{path}.round_timeout_s")
         if not 0 < self.min_completion <= 1:

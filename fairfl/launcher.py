@@ -3,6 +3,7 @@
 Each child announces its ports on stdout (`LISTENING <grpc port> METRICS <metrics port>`; an agent, which serves no
 gRPC, says `METRICS <port>`), so nothing races for a port chosen in advance. Child logs go to files in the run
 directory; the launcher kills every child it started on exit.
+
 Every connection is mutual TLS by default: the cluster makes an ephemeral CA (its key never leaves this process) and
 writes one identity per child into `tls_dir` (services with role service, agents with role agent limited to their
 client range, `operator` for whoever drives the cluster: `open_channel`). `tls=False` runs plaintext instead.
@@ -11,11 +12,15 @@ client range, `operator` for whoever drives the cluster: `open_channel`). `tls=F
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 
@@ -43,19 +48,46 @@ class Child:
         return f"127.0.0.1:{self.metrics_port}" if self.metrics_port else ""
 
 
+def _pump_lines(stream: TextIO, lines: queue.Queue[str]) -> None:
+    """Forward a child's stdout lines, then "" at EOF; it keeps draining the pipe so the child never blocks on it."""
+    try:
+        for line in stream:
+            lines.put(line)
+    except (OSError, ValueError):  # the launcher closed the pipe
+        pass
+    lines.put("")
+
+
 def _announced_ports(child: Child, timeout: float) -> tuple[int, int]:
-    """(gRPC port, metrics port) from the child's announcement line; 0 for a port it does not have."""
-    deadline = time.monotonic() + timeout
+    """(gRPC port, metrics port) from the child's announcement line; 0 for a port it does not have.
+
+    Lines are read on a helper thread, so a child that hangs without announcing (or dies) is reported after `timeout`
+    instead of blocking the launcher in readline forever."""
     assert child.process.stdout is not None
-    while time.monotonic() < deadline:
-        line = child.process.stdout.readline()
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_pump_lines, args=(child.process.stdout, lines), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            reason = f"did not announce its ports within {timeout:g}s (still running: it hangs)"
+            break
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
+            continue
+        if not line:  # EOF: the child closed stdout, normally by exiting
+            try:
+                code = child.process.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            reason = f"exited with code {code} before announcing its ports"
+            break
         ports = parse_announcement(line)
         if ports is not None:
             return ports[0] or 0, ports[1] or 0
-        if not line and child.process.poll() is not None:
-            break
     tail = child.log_path.read_text()[-2000:] if child.log_path.exists() else ""
-    raise RuntimeError(f"{child.name} did not start (exit code {child.process.poll()}); log tail:\n{tail}")
+    raise RuntimeError(f"{child.name} did not start: it {reason}; log tail:\n{tail}")
 
 
 @dataclass
@@ -124,20 +156,41 @@ class LocalCluster:
             child.port, child.metrics_port = _announced_ports(child, STARTUP_TIMEOUT_S)
         return child
 
-    def start_service(self, name: str, module: str, args: list[str]) -> Child:
-        child = self.spawn(name, module, ["--bind", "127.0.0.1:0", *args], announce=True)
+    def start_service(self, name: str, module: str, args: list[str], wait: bool = True) -> Child:
+        """A service on a free loopback port; without `wait`, `ready` must be called before it is used."""
+        child = self.spawn(name, module, ["--bind", "127.0.0.1:0", *args], announce=True, wait=False)
+        return self.ready(child) if wait else child
+
+    def ready(self, child: Child) -> Child:
+        """Read a started service's ports and wait until it serves."""
+        child.port, child.metrics_port = _announced_ports(child, STARTUP_TIMEOUT_S)
         wait_for_serving(child.address, timeout=STARTUP_TIMEOUT_S, security=self.security)
         return child
 
-    def start_services(self, state_dir: Path) -> tuple[Child, Child, Child]:
-        privacy = self.start_service("privacy", "privacy_service", ["--db", str(state_dir / "privacy-ledger.sqlite")])
-        clustering = self.start_service("clustering", "clustering_service", [])
+    def start_services(self, state_dir: Path, aggregator_args: Sequence[str] = ()) -> tuple[Child, Child, Child]:
+        """Privacy, clustering and aggregator; `aggregator_args` adds options (e.g. --checkpoint-dir)."""
+        db = str(state_dir / "privacy-ledger.sqlite")
+        privacy = self.start_service("privacy", "privacy_service", ["--db", db], wait=False)
+        clustering = self.start_service("clustering", "clustering_service", [], wait=False)  # side by side: both
+        self.ready(privacy)  # spend seconds importing, and the aggregator needs both addresses
+        self.ready(clustering)
         aggregator = self.start_service(
-            "aggregator", "aggregator_service", ["--clustering", clustering.address, "--privacy", privacy.address]
+            "aggregator",
+            "aggregator_service",
+            ["--clustering", clustering.address, "--privacy", privacy.address, *aggregator_args],
         )
         return aggregator, clustering, privacy
 
-    def start_agents(self, aggregator: str, num_clients: int, agents: int, device: str, threads: int) -> list[Child]:
+    def start_agents(
+        self,
+        aggregator: str,
+        num_clients: int,
+        agents: int,
+        device: str,
+        threads: int,
+        agent_args: Sequence[str] = (),
+    ) -> list[Child]:
+        """`agents` agents splitting the client ids evenly; `agent_args` adds options to each."""
         started = []
         bounds = [round(i * num_clients / agents) for i in range(agents + 1)]
         for i in range(agents):
@@ -157,6 +210,7 @@ class LocalCluster:
                         str(threads),
                         "--name",
                         f"agent-{i}",
+                        *agent_args,
                     ],
                     announce=self.metrics,  # an agent announces only its metrics port
                     wait=False,  # agents start in parallel; their lines are read below
@@ -168,6 +222,31 @@ class LocalCluster:
             for child in started:
                 child.port, child.metrics_port = _announced_ports(child, STARTUP_TIMEOUT_S)
         return started
+
+    def restart(self, name: str) -> Child:
+        """Start an ended child again: the same command and identity, and the same gRPC port (peers reconnect to it);
+        its log goes on in the same file."""
+        child = next(c for c in self.children if c.name == name)
+        if child.process.poll() is None:
+            raise RuntimeError(f"{name} is still running; kill it first")
+        argv = [str(a) for a in child.process.args]  # type: ignore[union-attr]
+        if child.port and "--bind" in argv:
+            argv[argv.index("--bind") + 1] = f"127.0.0.1:{child.port}"
+        announce = child.process.stdout is not None
+        if child.process.stdout is not None:
+            child.process.stdout.close()
+        with child.log_path.open("a") as log_file:
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            stdout = subprocess.PIPE if announce else log_file
+            child.process = subprocess.Popen(argv, stdout=stdout, stderr=log_file, text=True, env=env)
+        if announce:
+            port, child.metrics_port = _announced_ports(child, STARTUP_TIMEOUT_S)
+            if child.port and port != child.port:
+                raise RuntimeError(f"{name} came back on port {port}, not {child.port}")
+            child.port = port
+        if child.port:
+            wait_for_serving(child.address, timeout=STARTUP_TIMEOUT_S, security=self.security)
+        return child
 
     def metrics_targets(self) -> dict[str, list[str]]:
         """Scrape targets of the running children by job: aggregator, clustering, privacy, agent."""
