@@ -156,8 +156,9 @@ class SelectionInput:
 
 @dataclass(frozen=True)
 class SelectionOutput:
-    """Selected client ids, ascending; `cluster_of_selected` is aligned with them, or empty for methods that do not
-    cluster. `seconds` is the time the sampler took (not part of equality: the oracle compares choices only).
+    """Selected client ids, ascending (Clustered Sampling may repeat one: a client drawn twice); `cluster_of_selected`
+    is aligned with them, or empty for methods that do not cluster. `seconds` is the time the sampler took (not part
+    of equality: the oracle compares choices only).
 
     `needs_losses`: not a selection yet. `selected` are the clients whose losses at the global model the caller must
     measure and send back (as `candidates` with `candidate_losses`) in a second call for the same round

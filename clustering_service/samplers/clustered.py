@@ -108,7 +108,7 @@ class ClusteredSampler(Sampler):
         cands, k = request.candidates, request.num_to_select
         rng = round_rng(request.seed, request.round)
         warmup = p.warmup_rounds or 0  # Fraboni's algorithm needs none: zero updates are all at distance 0
-        if 0 < warmup and request.round <= warmup:
+        if warmup > 0 and request.round <= warmup:
             block = warmup_block(cands, k, request.seed, request.round)
             if block.size:
                 return SelectionOutput(selected=tuple(block.tolist()))

@@ -32,7 +32,7 @@ class DivflSampler(Sampler):
         self.check_params(p)
         cands, k = request.candidates, request.num_to_select
         warmup = p.warmup_rounds if p.warmup_rounds is not None else default_warmup(cands.size, k)
-        if 0 < warmup and request.round <= warmup:
+        if warmup > 0 and request.round <= warmup:
             block = warmup_block(cands, k, request.seed, request.round)
             if block.size:
                 return SelectionOutput(selected=tuple(block.tolist()))

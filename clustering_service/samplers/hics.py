@@ -80,7 +80,7 @@ class HicsSampler(Sampler):
             raise InvalidInput("params.total_rounds is required for HICS (γ_t = γ0(1 − t/total_rounds))")
         cands, k = request.candidates, request.num_to_select
         warmup = p.warmup_rounds if p.warmup_rounds is not None else default_warmup(cands.size, k)
-        if 0 < warmup and request.round <= warmup:
+        if warmup > 0 and request.round <= warmup:
             block = warmup_block(cands, k, request.seed, request.round)
             if block.size:
                 return SelectionOutput(selected=tuple(block.tolist()))
