@@ -135,11 +135,11 @@ def test_hics_within_cluster_draw_follows_data_size_or_uniform() -> None:
     state = _state(bias, sizes)
     counts = np.zeros(6)
     uniform = np.zeros(6)
-    for t in range(20, 1020):
+    for t in range(20, 420):
         counts[list(_hics(state, t, 1, 6, seed=t, num_clusters=1))] += 1
         uniform[list(_hics(state, t, 1, 6, seed=t, num_clusters=1, uniform_within_cluster=True))] += 1
-    np.testing.assert_allclose(counts / 1000, sizes / sizes.sum(), atol=0.05)
-    np.testing.assert_allclose(uniform / 1000, np.full(6, 1 / 6), atol=0.05)
+    np.testing.assert_allclose(counts / 400, sizes / sizes.sum(), atol=0.08)  # ~3.3 standard deviations
+    np.testing.assert_allclose(uniform / 400, np.full(6, 1 / 6), atol=0.06)
 
 
 def test_hics_freeze_after_warmup_keeps_the_warmup_signatures() -> None:
@@ -191,18 +191,11 @@ def test_hics_over_many_clients_is_fast_and_deterministic() -> None:
     rng = np.random.default_rng(0)
     n = 3000
     state = _state(rng.standard_normal((n, C)) * 0.01, rng.integers(50, 500, n))
-    first = select(
-        "hics",
-        SelectionInput("r", 50, 100, np.arange(n), seed=2, params=SelectionParams(total_rounds=100)),
-        state,
-    )
-    again = select(
-        "hics",
-        SelectionInput("r", 50, 100, np.arange(n), seed=2, params=SelectionParams(total_rounds=100)),
-        state,
-    )
+    params = SelectionParams(total_rounds=100, max_ward_points=500)  # the coarse path: 500 representatives
+    first = select("hics", SelectionInput("r", 50, 100, np.arange(n), seed=2, params=params), state)
+    again = select("hics", SelectionInput("r", 50, 100, np.arange(n), seed=2, params=params), state)
     assert first == again and len(set(first.selected)) == 100
-    assert first.seconds < 5.0  # scripts/bench_selection.py measures 10,000 clients; this only guards a regression
+    assert first.seconds < 5.0  # scripts/bench_selection.py times 10,000 clients; this only guards a regression
 
 
 # --- power-of-choice --------------------------------------------------------------------------------------------------
