@@ -4,6 +4,7 @@ HiCS-FL's mixed-α partition."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,9 @@ import torch
 from aggregator_service.engine import RoundEngine
 from aggregator_service.inprocess import InProcessTransport
 from aggregator_service.peers import LocalPrivacy, LocalSelector
-from aggregator_service.selection import SelectionContext, UpdateBank
-from clustering_service import SelectionOutput
+from aggregator_service.selection import SelectionContext, UpdateBank, select_request, selection_input
+from clustering_service import SelectionOutput, SelectionParams
+from clustering_service.servicer import selection_input_from_proto
 from fairfl.compare import load_comparison
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict, load_experiment
 from fairfl.data.groups import client_groups
@@ -252,3 +254,25 @@ def test_selection_state_survives_a_checkpoint_round_trip() -> None:
     before, after = hics.store.run("run").signatures(), restored.store.run("run").signatures()
     assert sorted(before) == sorted(after) and len(after) == 6
     assert all((before[c].bias_update == after[c].bias_update).all() for c in before)
+
+
+def test_the_wire_request_carries_exactly_what_the_in_process_path_sees() -> None:
+    rng = np.random.default_rng(0)
+    gram = rng.standard_normal((4, 4))
+    context = SelectionContext(
+        "r",
+        7,
+        [9, 3, 5, 1],
+        2,
+        seed=4,
+        params=SelectionParams(temperature=0.01, lambda_entropy=0.0, total_rounds=50, freeze_after_warmup=False),
+        num_samples=[10, 0, 30, 40],
+        similarity=gram @ gram.T,
+    )
+    local, wire = selection_input(context), selection_input_from_proto(select_request(4, context))
+    assert wire.params == local.params  # unset stays unset, 0 and False stay set
+    for name in ("candidates", "candidate_num_samples", "similarity"):
+        np.testing.assert_array_equal(getattr(wire, name), getattr(local, name))
+    too_big = replace(context, candidates=list(range(800)), similarity=np.zeros((800, 800)), num_samples=None)
+    with pytest.raises(ValueError, match="does not fit one Select message"):
+        select_request(3, too_big)
