@@ -121,7 +121,8 @@ def run_grpc(
                     control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30
                 )
                 try:
-                    follow_run(control, run_id, recorder)
+                    # A remote aggregator may restart and resume the run; a local one is not restarted by anyone.
+                    follow_run(control, run_id, recorder, reconnect_s=0.0 if cluster.children else 300.0)
                 except KeyboardInterrupt:
                     control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason="interrupted"), timeout=10)
                     raise

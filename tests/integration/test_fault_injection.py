@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from client_agent.faults import DropPlan
+from fairfl.cli import follow_run
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.launcher import LocalCluster
 from fairfl.privacy import RANDOMNESS_ENV
@@ -43,21 +44,29 @@ def _config(**sections: Any) -> ExperimentConfig:
 
 
 class Watcher:
-    """Follows a run's events on a thread, so the test can act when a round is reported."""
+    """Follows a run's events on a thread, so the test can act when a round is reported. With `reconnect`, it
+    watches the way `fairfl run` does (fairfl.cli.follow_run: again after the aggregator restarts)."""
 
-    def __init__(self, control: control_pb2_grpc.RunControlStub, run_id: str) -> None:
+    def __init__(self, control: control_pb2_grpc.RunControlStub, run_id: str, reconnect: bool = False) -> None:
         self.events: list[control_pb2.RunEvent] = []
         self.cond = threading.Condition()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._follow, args=(control, run_id), daemon=True)
+        self.thread = threading.Thread(target=self._follow, args=(control, run_id, reconnect), daemon=True)
         self.thread.start()
 
-    def _follow(self, control: control_pb2_grpc.RunControlStub, run_id: str) -> None:
+    def _add(self, event: control_pb2.RunEvent) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def _follow(self, control: control_pb2_grpc.RunControlStub, run_id: str, reconnect: bool) -> None:
         try:
-            for event in control.WatchRun(control_pb2.WatchRunRequest(run_id=run_id), timeout=300):
-                with self.cond:
-                    self.events.append(event)
-                    self.cond.notify_all()
+            if reconnect:
+                follow_run(control, run_id, self._add, reconnect_s=120)
+            else:
+                request = control_pb2.WatchRunRequest(run_id=run_id)
+                for event in control.WatchRun(request, timeout=300, wait_for_ready=True):
+                    self._add(event)
         except BaseException as err:  # reported by wait_for
             self.error = err
         with self.cond:
@@ -78,7 +87,9 @@ class Watcher:
 
     def final(self) -> control_pb2.RunStatus:
         self.thread.join(120)
-        return [e.status for e in self.events if e.HasField("status")][-1]
+        statuses = [e.status for e in self.events if e.HasField("status")]
+        assert statuses and not self.thread.is_alive(), f"the run did not end for this watcher: {self.error!r}"
+        return statuses[-1]
 
 
 def _ledger_rounds(db: Path, run_id: str) -> dict[int, float]:
@@ -105,28 +116,28 @@ def test_aggregator_killed_mid_round_resumes_to_the_uninterrupted_model(
         with cluster.open_channel(aggregator.address) as channel:
             control = control_pb2_grpc.RunControlStub(channel)
             control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id="crash"), timeout=30)
-            watcher = Watcher(control, "crash")
-            watcher.wait_for("round 3", lambda rounds: len(rounds) >= 3)
+            follower = Watcher(control, "crash", reconnect=True)  # as `fairfl run --aggregator` watches
+            follower.wait_for("round 3", lambda rounds: len(rounds) >= 3)
             # Round 4 is authorised (its privacy events recorded) before any of its tasks leave: kill it in flight.
             deadline = time.monotonic() + 30
             while 4 not in _ledger_rounds(db, "crash") and time.monotonic() < deadline:
                 time.sleep(0.01)
             cluster.kill("aggregator")  # SIGKILL
             killed_at = time.time()
-            reported = {r.round: r.model_sha256 for r in watcher.rounds}
-        recorded_before = {r for r, at in _ledger_rounds(db, "crash").items() if at < killed_at}
-        cluster.restart("aggregator")  # same port and checkpoint directory: it resumes the run by itself
-        with cluster.open_channel(aggregator.address) as channel:
-            control = control_pb2_grpc.RunControlStub(channel)
-            resumed = Watcher(control, "crash")
+            reported = {r.round: r.model_sha256 for r in follower.rounds}
+            recorded_before = {r for r, at in _ledger_rounds(db, "crash").items() if at < killed_at}
+            cluster.restart("aggregator")  # same port and checkpoint directory: it resumes the run by itself
+            resumed = Watcher(control, "crash")  # a new watcher gets the history first
             final = resumed.final()
             params = fetch_model(control, "crash")
+            assert follower.final().state == control_pb2.RUN_STATE_COMPLETED
         log = aggregator.log_path.read_text()
         reply = spend(privacy.address, "crash", cluster.security)
 
     assert final.state == control_pb2.RUN_STATE_COMPLETED, final.message
     rounds = resumed.rounds
     assert [r.round for r in rounds] == list(range(1, 9)), "every round exactly once, history included"
+    assert [r.round for r in follower.rounds] == list(range(1, 9)), "the CLI's watcher passed each round on once"
     # No completed round was lost: every round reported before the kill is in the resumed history, unchanged.
     assert reported and all(rounds[n - 1].model_sha256 == sha for n, sha in reported.items())
     (resumed_after,) = map(int, re.findall(r"run crash resumes after round (\d+) of 8", log))
