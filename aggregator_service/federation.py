@@ -72,6 +72,7 @@ class _Batch:
     """The tasks of one phase, waiting for their results."""
 
     pending: dict[str, federation_pb2.Task]
+    wanted: int  # results that close the phase (its quorum, or every task)
     results: dict[int, ClientResult] = field(default_factory=dict)
     rejected: int = 0
 
@@ -283,7 +284,21 @@ class FederationState:
             raise Rejected(code, f"result for task {header.task_id} refused: {err}", cause=err.reason) from err
         with self.lock:
             batch = self.open_tasks.get(header.task_id)
-            if batch is None or header.task_id not in batch.pending:  # closed while we were receiving
+            closed = self.closed_tasks.get(header.task_id)
+            open_now = batch is not None and header.task_id in batch.pending
+            if not open_now and closed is not None and closed[1]:  # sent twice at once: the other copy got in
+                self.counters["duplicate"] += 1
+                self.refused_after_close[(header.round, "duplicate")] += 1
+                raise Rejected(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"task {header.task_id}: its result was accepted while this copy arrived (replay refused)",
+                    late=True,
+                    reason="duplicate",
+                    cause="replay",
+                )
+            # Closed while we were receiving, or its phase already has its quorum (the waiting phase has not woken
+            # to close it yet): a phase never takes more than its first k results.
+            if batch is None or not open_now or len(batch.results) >= batch.wanted:
                 self.counters["late"] += 1
                 self.refused_after_close[(header.round, "late")] += 1
                 raise Rejected(
@@ -357,9 +372,8 @@ class GrpcTransport(ClientTransport):
 
     def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
         state = self.state
-        batch = _Batch(pending={t.task_id: t for t in tasks})
+        batch = _Batch(pending={t.task_id: t for t in tasks}, wanted=len(tasks) if quorum is None else quorum)
         deadline = time.monotonic() + timeout
-        wanted = len(tasks) if quorum is None else quorum
         check_every = min(1.0, state.agent_timeout / 4)  # how soon a vanished agent's tasks close
         missing_owner: list[int] = []
         with state.lock:
@@ -372,7 +386,7 @@ class GrpcTransport(ClientTransport):
                 state.open_tasks[task.task_id] = batch
                 agent.queue.append(task)
             state.lock.notify_all()
-            while batch.pending and len(batch.results) < wanted and not self.stop.is_set():
+            while batch.pending and len(batch.results) < batch.wanted and not self.stop.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

@@ -18,7 +18,7 @@ import torch
 from aggregator_service import checkpoint
 from aggregator_service.checkpoint import RunCheckpointer, decode_state, encode_state, run_directory
 from aggregator_service.engine import RoundEngine
-from aggregator_service.federation import FederationState, GrpcTransport
+from aggregator_service.federation import FederationState, GrpcTransport, Rejected
 from aggregator_service.inprocess import InProcessTransport
 from aggregator_service.peers import LocalPrivacy, LocalSelector
 from aggregator_service.runs import RunManager, RunStartError
@@ -338,11 +338,81 @@ def test_quorum_closes_the_phase_at_the_first_k_results() -> None:
         for task in tasks[:2]:
             _submit(state, layout, task, agent.agent_id)
 
-    threading.Thread(target=answer_two).start()
+    answering = threading.Thread(target=answer_two)
+    answering.start()
     started = time.monotonic()
     outcome = GrpcTransport(state).execute([_task(0), _task(1), _task(2)], timeout=30.0, quorum=2)
+    answering.join(10)
     assert time.monotonic() - started < 10.0
     assert [r.client_id for r in outcome.results] == [0, 1] and outcome.missing == [2]
+
+
+def test_a_phase_takes_no_result_beyond_its_quorum_before_it_wakes() -> None:
+    """Results that arrive together, before the waiting phase wakes to close at its quorum, are not all taken."""
+    from fairfl.models import build_model
+    from fairfl.params import ParamLayout
+    from tests.unit.test_federation_state import _submit
+
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    agent = state.register("a", [0, 1, 2], "cpu")
+    outcomes: list[Any] = []
+    phase = threading.Thread(
+        target=lambda: outcomes.append(
+            GrpcTransport(state).execute([_task(0), _task(1), _task(2)], timeout=30.0, quorum=2)
+        )
+    )
+    with state.lock:  # reentrant: results get in, the waiting phase cannot wake until all three arrived
+        phase.start()
+        tasks: list[federation_pb2.Task] = []
+        while len(tasks) < 3:
+            state.lock.wait(0.05)  # lets the phase thread queue its tasks
+            tasks += state.poll(agent.agent_id, 8, 0.0)
+        _submit(state, layout, tasks[2], agent.agent_id)
+        _submit(state, layout, tasks[0], agent.agent_id)
+        with pytest.raises(Rejected, match="closed while its result was arriving") as third:
+            _submit(state, layout, tasks[1], agent.agent_id)
+        assert third.value.code.name == "FAILED_PRECONDITION"
+        with pytest.raises(Rejected, match="replay refused") as replay:  # an accepted result sent again
+            _submit(state, layout, tasks[0], agent.agent_id)
+        assert replay.value.code.name == "PERMISSION_DENIED"
+    phase.join(10)
+    (outcome,) = outcomes
+    assert [r.client_id for r in outcome.results] == [0, 2] and outcome.missing == [1]
+
+
+def test_a_result_sent_twice_at_once_counts_once_and_the_other_copy_is_a_replay() -> None:
+    from fairfl.models import build_model
+    from fairfl.params import ParamLayout
+    from fairfl.protocol import UPDATE, ClientResult, encode_result
+
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    agent = state.register("a", [0], "cpu")
+    outcomes: list[Any] = []
+    phase = threading.Thread(target=lambda: outcomes.append(GrpcTransport(state).execute([_task(0)], timeout=30.0)))
+    phase.start()
+    (task,) = state.poll(agent.agent_id, 8, 5.0)
+    result = ClientResult(
+        task.task_id, "r", 1, 0, federation_pb2.PHASE_TRAIN, num_samples=10, loss_before=1.0, loss_after=0.5
+    )
+    result.agent_id = agent.agent_id
+    result.payloads[UPDATE] = torch.zeros(layout.numel)
+    header, *data = list(encode_result(result, layout))
+
+    def first_copy_gets_in_meanwhile() -> Any:
+        state.accept(header.header, (c.data for c in data))
+        yield from (c.data for c in data)
+
+    with pytest.raises(Rejected, match="replay refused") as second:
+        state.accept(header.header, first_copy_gets_in_meanwhile())
+    assert second.value.code.name == "PERMISSION_DENIED" and second.value.cause == "replay"
+    assert state.counters["accepted"] == 1 and state.counters["duplicate"] == 1
+    phase.join(10)
+    (outcome,) = outcomes
+    assert [r.client_id for r in outcome.results] == [0]
 
 
 def test_long_polls_beyond_the_limit_answer_at_once() -> None:
