@@ -83,10 +83,13 @@ class RunManager:
             if busy is not None:
                 raise RuntimeError(f"run {busy.run_id} is still active; stop it first")
             run_id = run_id or uuid.uuid4().hex[:12]
-            if run_id in self.runs:
+            earlier = self.runs.get(run_id)
+            if earlier is not None and earlier.status.state != control_pb2.RUN_STATE_FAILED:
                 raise KeyError(f"run id {run_id!r} already used")
             if resume is None:
                 resume = self._resumable(run_id, config)
+            if earlier is not None and resume is None:
+                raise KeyError(f"run id {run_id!r} already used (it failed, and has no checkpoint to resume)")
             status = control_pb2.RunStatus(
                 run_id=run_id,
                 state=control_pb2.RUN_STATE_PENDING,
@@ -97,6 +100,8 @@ class RunManager:
             if resume is not None:  # watchers get the run's history first, as if it had never stopped
                 run.events = [control_pb2.RunEvent(run_id=run_id, round=r) for r in resume.rounds]
             self.runs[run_id] = run
+        if earlier is not None and earlier.thread is not None:
+            earlier.thread.join(30)  # the failed attempt's engine is done once it has closed its transport run
         try:
             engine = self.make_engine(run_id, config, lambda e: self._record(run, e), run.stop)
             checkpointer = getattr(engine, "checkpointer", None)  # set by factories that checkpoint

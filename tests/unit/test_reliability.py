@@ -258,6 +258,36 @@ def test_too_few_results_keep_the_model_and_stop_the_run_after_max_failed_rounds
     assert [r.round for r in rounds] == [1, 2] and all(not r.aggregation_weights for r in rounds)
     assert torch.equal(summary.final_params, _engine(config, []).params)  # no round moved the model
 
+
+def test_a_failed_run_resumes_in_the_same_aggregator(tmp_path: Path) -> None:
+    """Failed after max_failed_rounds, a run continues on StartRun with its id once its clients answer again, without
+    an aggregator restart; its failed rounds stay in its history."""
+    config = _config(
+        rounds=4,
+        selection={"method": "full", "clients_per_round": 8},
+        runtime={"max_failed_rounds": 2, "checkpoint_dir": str(tmp_path)},
+    )
+    transports: list[Any] = [_Dropping({0}), InProcessTransport()]  # client 0 is silent, then back
+
+    def factory(run_id: str, cfg: ExperimentConfig, on_event: Any, stop: threading.Event) -> RoundEngine:
+        engine = RoundEngine(run_id, cfg, transports.pop(0), LocalSelector("full"), LocalPrivacy(), on_event, stop)
+        engine.checkpointer = RunCheckpointer(run_directory(tmp_path, run_id), run_id, cfg)
+        return engine
+
+    manager = RunManager(factory)
+    manager.start(config, RUN)
+    manager.get(RUN).thread.join(60)
+    assert manager.status(RUN).state == control_pb2.RUN_STATE_FAILED
+    status = manager.start(config, RUN)
+    assert status.round == 2
+    manager.get(RUN).thread.join(60)
+    assert manager.status(RUN).state == control_pb2.RUN_STATE_COMPLETED, manager.status(RUN).message
+    rounds = [e.round for e in manager.watch(RUN, lambda: True) if e.HasField("round")]
+    assert [r.round for r in rounds] == [1, 2, 3, 4]
+    assert [bool(r.aggregation_weights) for r in rounds] == [False, False, True, True]
+    with pytest.raises(KeyError, match="already used"):  # a completed run's id is not reused
+        manager.start(config, RUN)
+
     tolerant = _config(selection={"method": "full", "clients_per_round": 8}, runtime={"min_completion": 0.8})
     events = []
     assert _engine(tolerant, events, _Dropping({0})).run().state == control_pb2.RUN_STATE_COMPLETED
