@@ -6,7 +6,7 @@ leaves a usable state (docs/reliability.md):
 - `rounds.log`: the run's RoundEvents, appended (length-prefixed protobuf) and fsynced before the checkpoint that
   covers them; records beyond the checkpoint's count (a crash between the two writes) are dropped on resume.
 - `checkpoint.pb`: a `fairfl.v1.Checkpoint` replaced atomically (temp file, fsync, rename, fsync of the directory)
-  after every round: config, round, model, strategy / DP / privacy-gate / selector state, RNG states.
+  when the run starts and after every round: config, round, model, strategy / DP / privacy-gate / selector state, RNG states.
 - `pending.pb`: the round authorised by the privacy gate before its tasks left (selection and candidate count), so
   a resumed run re-runs that round with the same selection and the ledger recognises the identical authorisation.
 
@@ -268,10 +268,13 @@ class RunCheckpointer:
         self.events_offset = 0
         directory.mkdir(parents=True, exist_ok=True)
 
-    def start_fresh(self) -> None:
-        """A new run in this directory: no earlier files may leak into it."""
+    def start_fresh(self, engine: RoundEngine | None = None) -> None:
+        """A new run in this directory: no earlier files may leak into it. With `engine`, its starting point is saved
+        (round 0), so a run killed before its first round completed resumes too (its authorised round 1 included)."""
         for name in (CHECKPOINT_FILE, EVENTS_FILE, PENDING_FILE):
             (self.directory / name).unlink(missing_ok=True)
+        if engine is not None:
+            self._write(engine)
 
     def authorized(self, round_number: int, selected: list[int], population: int, epsilon: float) -> None:
         record = checkpoint_pb2.PendingRound(

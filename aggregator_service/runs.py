@@ -109,7 +109,7 @@ class RunManager:
                 if resume is not None:
                     checkpointer.restore(engine, resume)
                 else:
-                    checkpointer.start_fresh()
+                    checkpointer.start_fresh(engine)
             elif resume is not None:
                 raise RunStartError(f"run {run_id!r} has a checkpoint, but this aggregator writes none to resume")
         except Exception as err:  # a run that cannot start must not block the next one

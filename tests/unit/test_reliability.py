@@ -4,6 +4,7 @@ The multi-process fault-injection runs are in tests/integration/test_fault_injec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -46,11 +47,12 @@ def _config(**overrides: Any) -> ExperimentConfig:
     return experiment_from_dict(base)
 
 
-def _dp_config() -> ExperimentConfig:
+def _dp_config(**overrides: Any) -> ExperimentConfig:
     return _config(
         strategy={"name": "fedfair", "params": {"fair_lambda": 0.5}},
         selection={"method": "full", "clients_per_round": 8},
         privacy={"enabled": True, "epsilon": 50.0, "sample_rate": 0.2, "noise_multiplier": 1.0, "clip_norm": 1.0},
+        **overrides,
     )
 
 
@@ -128,6 +130,43 @@ def test_a_run_killed_mid_round_resumes_to_the_uninterrupted_model(tmp_path: Pat
 
         assert ledger(resumed) == ledger(reference_engine)
         assert {row[0] for row in ledger(resumed)} == set(range(1, 7))
+
+
+def test_a_run_killed_in_its_first_round_resumes(tmp_path: Path) -> None:
+    """StartRun saves the run's starting point, so a run killed before any round completed is resumed too."""
+    config = _dp_config(rounds=2, runtime={"checkpoint_dir": str(tmp_path)})
+    reference = _engine(config, [])
+    assert reference.run().state == control_pb2.RUN_STATE_COMPLETED
+    engines: list[RoundEngine] = []
+
+    def factory(run_id: str, cfg: ExperimentConfig, on_event: Any, stop: threading.Event) -> RoundEngine:
+        engine = RoundEngine(run_id, cfg, InProcessTransport(), LocalSelector("full"), LocalPrivacy(), on_event, stop)
+        engine.checkpointer = RunCheckpointer(run_directory(tmp_path, run_id), run_id, cfg)
+        if not engines:  # the first aggregator dies in round 1, after its authorisation
+            _crash_in_round(engine, 1)
+            run = engine.run
+
+            def dies() -> Any:
+                with contextlib.suppress(Crash):
+                    return run()
+
+            engine.run = dies  # type: ignore[method-assign]
+        engines.append(engine)
+        return engine
+
+    first = RunManager(factory)
+    first.start(config, RUN)
+    first.get(RUN).thread.join(60)
+    loaded = checkpoint.load(run_directory(tmp_path, RUN))
+    assert loaded is not None and loaded.checkpoint.round == 0 and not loaded.checkpoint.finished
+    assert loaded.pending is not None and loaded.pending.round == 1
+    restarted = RunManager(factory)  # a new aggregator process
+    assert restarted.start(config, RUN).round == 0
+    restarted.get(RUN).thread.join(60)
+    assert restarted.status(RUN).state == control_pb2.RUN_STATE_COMPLETED, restarted.status(RUN).message
+    assert torch.equal(engines[-1].params, reference.params)
+    recorded = [tuple(e)[:6] for e in engines[-1].privacy.ledger.events(RUN)]  # without the time of recording
+    assert recorded == [tuple(e)[:6] for e in reference.privacy.ledger.events(RUN)] and recorded  # each round once
 
 
 def test_events_past_the_checkpoint_are_dropped_and_overwritten(tmp_path: Path) -> None:
