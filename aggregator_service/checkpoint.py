@@ -6,7 +6,8 @@ leaves a usable state (docs/reliability.md):
 - `rounds.log`: the run's RoundEvents, appended (length-prefixed protobuf) and fsynced before the checkpoint that
   covers them; records beyond the checkpoint's count (a crash between the two writes) are dropped on resume.
 - `checkpoint.pb`: a `fairfl.v1.Checkpoint` replaced atomically (temp file, fsync, rename, fsync of the directory)
-  when the run starts and after every round: config, round, model, strategy / DP / privacy-gate / selector state, RNG states.
+  when the run starts and after every round: config, round, model, strategy / DP / privacy-gate / selector state,
+  RNG states.
 - `pending.pb`: the round authorised by the privacy gate before its tasks left (selection and candidate count), so
   a resumed run re-runs that round with the same selection and the ledger recognises the identical authorisation.
 
