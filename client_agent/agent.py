@@ -75,9 +75,11 @@ class Agent:
     ) -> None:
         self.client_ids = client_ids
         self.faults = faults  # tests only: clients that drop out of each round
-        # The last DP release of each client with its task: a task sent again (the aggregator restarted and re-runs
-        # the round it had authorised) gets the same release back instead of fresh noise (docs/reliability.md).
+        # The DP releases of the newest round with their tasks: a task sent again (the aggregator restarted and
+        # re-runs the round it had authorised) gets the same release back instead of fresh noise
+        # (docs/reliability.md). Only that round can come again, so older releases (whole updates) are dropped.
         self.released: dict[int, tuple[bytes, ClientResult]] = {}
+        self.released_round = 0
         self.dp_policy = dp_policy or DpPolicy()  # the weakest DP this agent's owner accepts
         self.dp_randomness = check_randomness(dp_randomness)
         self.device = resolve_device(device)
@@ -170,6 +172,7 @@ class Agent:
             self.runtimes = {run_id: runtime}  # one run at a time: drop older runs' data
             self.models.clear()
             self.released.clear()
+            self.released_round = 0
             log.info("prepared run %s: %d local clients", run_id, len(hosted))
         return runtime
 
@@ -205,6 +208,9 @@ class Agent:
         same.CopyFrom(task)
         same.ClearField("deadline_unix")  # a re-sent task differs only in its deadline
         key = same.SerializeToString(deterministic=True)
+        if task.round > self.released_round:
+            self.released.clear()
+            self.released_round = task.round
         released = self.released.get(task.client_id)
         if released is not None and released[0] == key:
             log.info("task %s was answered before: sending the same DP release again", task.task_id)

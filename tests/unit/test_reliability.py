@@ -638,4 +638,9 @@ def test_an_agent_sends_the_same_dp_release_for_a_task_sent_again() -> None:
     other.CopyFrom(task)
     other.train.lr *= 2  # a different task for the same client is computed, not served from the cache
     assert agent._result(runtime, other) is not first
+    later = federation_pb2.Task()
+    later.CopyFrom(task)
+    later.round, later.client_id, later.task_id = 2, 1, f"{RUN}/r2/p0/c1"
+    agent._result(runtime, later)
+    assert list(agent.released) == [1], "only the newest round can be sent again: older releases are dropped"
     agent.channel.close()
