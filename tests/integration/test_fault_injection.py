@@ -179,10 +179,11 @@ def test_killed_agent_and_clustering_service_leave_the_run_going(tmp_path: Path)
                 "rounds without agent-1", lambda rounds: any(list(r.selected) == [0, 1, 2, 3] for r in rounds)
             )
             cut = next(r for r in watcher.rounds if r.round == killed_round)
-            # The round in flight aggregated what it had (min_completion 0.5); when agent-1's results were lost with
-            # it, the round closed once the agent fell silent, before its 20 s deadline.
-            assert cut.results_accepted in (4, 8) and len(cut.aggregation_weights) == cut.results_accepted
-            if cut.results_accepted == 4:
+            # The round in flight aggregated what it had (min_completion 0.5): agent-1 answers its clients one by one,
+            # so the kill may come before, between or after its results. When some were lost with it, the round
+            # closed once the agent fell silent, before its 20 s deadline.
+            assert 4 <= cut.results_accepted <= 8 and len(cut.aggregation_weights) == cut.results_accepted
+            if cut.results_accepted < 8:
                 assert cut.duration_seconds < config.runtime.round_timeout_s
 
             cluster.restart("agent-1")
