@@ -435,7 +435,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def Register(self, request: federation_pb2.RegisterRequest, context: grpc.ServicerContext):
         if not request.client_ids:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register at least one client id")
+            rpc.refuse(
+                context, SERVICE_NAME, "malformed", grpc.StatusCode.INVALID_ARGUMENT, "register at least one client id"
+            )
         if len(request.client_ids) > MAX_CLIENTS_PER_AGENT or len(request.agent_name) > MAX_NAME_CHARS:
             rpc.refuse(
                 context,

@@ -184,3 +184,40 @@ def test_codec_errors_name_their_reason() -> None:
         codec.PayloadReceiver(11, "0" * 64, max_bytes=10)
     assert size.value.reason == "size"
     assert codec.CodecError("x").reason == "malformed"
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _PlaintextContext:
+    """A servicer context of a plaintext server: no peer certificate; abort raises like grpc's."""
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def abort(self, code: object, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+def test_registering_no_client_is_refused_and_counted() -> None:
+    import grpc
+
+    from aggregator_service.federation import FederationServicer, FederationState
+    from fairfl import telemetry
+    from fairfl.v1 import federation_pb2
+
+    def refused() -> float:
+        return sum(
+            s.value
+            for m in telemetry.REQUESTS_REFUSED.collect()
+            for s in m.samples
+            if s.name.endswith("_total") and s.labels == {"service": "fairfl.v1.Federation", "reason": "malformed"}
+        )
+
+    before = refused()
+    state = FederationState()
+    with pytest.raises(_Aborted) as aborted:
+        FederationServicer(state).Register(federation_pb2.RegisterRequest(agent_name="a"), _PlaintextContext())
+    assert aborted.value.args == (grpc.StatusCode.INVALID_ARGUMENT, "register at least one client id")
+    assert refused() == before + 1 and not state.agents
