@@ -388,4 +388,5 @@ def load_run_data(config: ExperimentConfig) -> FederatedData:
         group_classes=d.group_classes,
         samples_per_class=d.samples_per_class,
         group_alphas=d.group_alphas,
+        test_split=d.test_split,
     )

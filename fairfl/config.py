@@ -36,6 +36,10 @@ class DataConfig:
     alpha: float = 0.5
     min_size: int = 10
     test_per_client: int | None = None
+    # Client test splits: each follows its client's train label mix (follow_train), or `iid`: disjoint random slices
+    # of the official test set, so the mean client accuracy is the global model's test accuracy (HiCS-FL's metric)
+    # rather than an average over class-skewed splits.
+    test_split: Literal["follow_train", "iid"] = "follow_train"
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     # Grouped partitions (fairfl.data.groups): clients per ground-truth group, contiguous ids, group 0 first.
@@ -102,6 +106,8 @@ class DataConfig:
         _at_least(self.min_size, 0, f"{path}.min_size")
         if self.test_per_client is not None:
             _at_least(self.test_per_client, 1, f"{path}.test_per_client")
+        if self.test_split != "follow_train" and self.dataset == "synthetic":
+            raise ConfigError(f"{path}.test_split: {self.test_split} does not apply to synthetic (its own split)")
         _positive(self.synthetic_alpha, f"{path}.synthetic_alpha", allow_zero=True)
         _positive(self.synthetic_beta, f"{path}.synthetic_beta", allow_zero=True)
 

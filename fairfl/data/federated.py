@@ -19,6 +19,7 @@ from fairfl.data.partition import (
 from fairfl.data.synthetic import synthetic_leaf
 
 PARTITIONS = ("iid", "shards", "dirichlet", "label_groups", "dirichlet_groups")
+TEST_SPLITS = ("follow_train", "iid")
 
 
 @dataclass(eq=False)
@@ -86,6 +87,7 @@ def build_federated(
     group_classes: list[int] | None = None,
     samples_per_class: int | None = None,
     group_alphas: list[float] | None = None,
+    test_split: str = "follow_train",
 ) -> FederatedData:
     """Load ``dataset`` and split it among ``num_clients`` clients; the same arguments always give the same split.
 
@@ -94,7 +96,8 @@ def build_federated(
     groups of ``group_sizes`` clients with Dirichlet(``group_alphas[g]``) label skew, see partition_dirichlet_groups;
     ``groups`` gets the group ids of both).
     Each client's test set is drawn from the official test set following its train label mix (``test_per_client``
-    samples, default len(test) // num_clients).
+    samples, default len(test) // num_clients), or with ``test_split='iid'`` is a disjoint random slice of it (so the
+    mean client accuracy is the accuracy on the union, the whole test set at the default size).
     ``dataset='synthetic'`` uses LEAF's Synthetic(α, β) with its own per-client split, ignoring ``partition``.
     """
     if num_clients < 1:
@@ -104,6 +107,8 @@ def build_federated(
         return FederatedData(train, test, train_idx, test_idx)
     if partition not in PARTITIONS:
         raise ValueError(f"unknown partition {partition!r}; valid: {', '.join(PARTITIONS)}")
+    if test_split not in TEST_SPLITS:
+        raise ValueError(f"unknown test_split {test_split!r}; valid: {', '.join(TEST_SPLITS)}")
 
     train = load_dataset(dataset, "train", root=root, download=download)
     test = load_dataset(dataset, "test", root=root, download=download)
@@ -129,5 +134,14 @@ def build_federated(
     size = len(test) // num_clients if test_per_client is None else test_per_client
     if size < 1:
         raise ValueError(f"test_per_client must be >= 1 (test set has {len(test)} samples for {num_clients} clients)")
-    test_idx = test_split_following([train.y[i] for i in train_idx], test.y, size, train.num_classes, test_rng)
+    if test_split == "iid":
+        if size * num_clients > len(test):
+            raise ValueError(
+                f"test_split='iid' needs disjoint test sets: {num_clients} clients x {size} samples exceed the "
+                f"{len(test)}-sample test set; lower test_per_client"
+            )
+        slices = np.split(test_rng.permutation(len(test))[: size * num_clients], num_clients)
+        test_idx = [np.sort(part).astype(np.int64) for part in slices]
+    else:
+        test_idx = test_split_following([train.y[i] for i in train_idx], test.y, size, train.num_classes, test_rng)
     return FederatedData(train, test, train_idx, test_idx, client_groups(partition, group_sizes or []))
