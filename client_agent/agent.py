@@ -19,12 +19,13 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 import grpc
+import numpy as np
 import torch
 
 from client_agent.dp_sgd import DpPolicy, PolicyRefusal
 from client_agent.faults import DropPlan
 from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
-from fairfl import __version__, codec, telemetry
+from fairfl import __version__, codec, telemetry, tls
 from fairfl.config import experiment_from_yaml
 from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
 from fairfl.protocol import ClientResult, encode_result
@@ -45,20 +46,12 @@ MODEL_CACHE_SIZE = 4
 
 
 def parse_client_ids(text: str) -> list[int]:
-    """'0-49' or '0-9,20,30-39' → sorted unique ids."""
-    ids: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        try:
-            start, end = int(lo), int(hi) if hi else int(lo)
-        except ValueError:
-            raise ValueError(f"bad client range {part!r}: use forms like 0-49 or 3,7,9") from None
-        if start < 0 or end < start:
-            raise ValueError(f"bad client range {part!r}: need 0 <= start <= end")
-        ids.update(range(start, end + 1))
-    if not ids:
+    """'0-49' or '0-9,20,30-39' → sorted unique ids: the range syntax of agent certificates (fairfl.tls); raises
+    ValueError."""
+    if not text.strip():
         raise ValueError("no client ids given")
-    return sorted(ids)
+    ranges = tls.parse_ranges(text)
+    return np.unique(np.concatenate([np.arange(lo, hi + 1) for lo, hi in ranges])).tolist()
 
 
 class Agent:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from client_agent.agent import parse_client_ids
 from fairfl import cli, codec, tls
 from fairfl.rpc import CHUNK_BYTES, RateLimiter, TransportSecurity, add_transport_arguments, security_from_args
 
@@ -62,6 +63,15 @@ def test_issue_refuses_what_is_no_fairfl_identity(ca: tls.CertificateAuthority) 
 def test_client_ranges_are_parsed_strictly(text: str) -> None:
     with pytest.raises(tls.TlsError, match="bad client range"):
         tls.parse_ranges(text)
+    if text:  # an agent's --clients takes the same syntax as its certificate
+        with pytest.raises(ValueError, match="bad client range"):
+            parse_client_ids(text)
+
+
+def test_agent_client_ids_are_the_certificate_ranges_expanded() -> None:
+    assert parse_client_ids("4-6, 0,5") == [0, 4, 5, 6]
+    with pytest.raises(ValueError, match="no client ids"):
+        parse_client_ids(" ")
 
 
 def test_k8s_names_cover_the_services_and_stateful_pods() -> None:
