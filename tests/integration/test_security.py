@@ -344,10 +344,11 @@ def test_refusals_are_counted_by_reason(observed: Observed) -> None:
 
 
 def test_rate_limits_are_per_caller(tmp_path: Path) -> None:
-    """An aggregator allowing 3 calls at once and then 1 every 10 s: the fourth quick Register of one certificate is
-    refused with RESOURCE_EXHAUSTED and counted; another certificate is not affected."""
+    """An aggregator allowing 3 calls at once and then 1 every 100 s (no refill however slow a loaded machine makes
+    the calls): the fourth Register of one certificate is refused with RESOURCE_EXHAUSTED and counted; another
+    certificate is not affected."""
     with LocalCluster(tmp_path / "logs") as cluster:
-        limited = start_aggregator(cluster, "aggregator-limited", ["--rate-limit", "0.1", "--rate-burst", "3"])
+        limited = start_aggregator(cluster, "aggregator-limited", ["--rate-limit", "0.01", "--rate-burst", "3"])
         sec_a = cluster.issue("agent-a", ROLE_AGENT, [(0, 1)])
         sec_b = cluster.issue("agent-b", ROLE_AGENT, [(2, 3)])
         request = federation_pb2.RegisterRequest(agent_name="a", client_ids=[0, 1], device="cpu")
