@@ -102,7 +102,8 @@ class Observed:
     honest: dict[str, tuple[Code, str]]
     before: Snapshot
     after: Snapshot
-    handled: tuple[float, float]  # SubmitResult calls the aggregator handled, before and after the handshake cases
+    # SubmitResult calls the aggregator handled: before and after the handshake cases, and after B's forged one
+    handled: tuple[float, float, float]
     events: list[control_pb2.RunEvent]
     oracle_rounds: list[control_pb2.RoundEvent]
     oracle_params: torch.Tensor
@@ -231,6 +232,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             # -- B's valid certificate acting for A
             forged = _as_agent(chunks0, b.agent_id)
             record("result_under_another_agents_id", b.submit(chunks0))
+            handled_forged = metric(aggregator, handled[0], **handled[1])
             record("result_for_another_client", b.submit(forged))
             poll = federation_pb2.PollRequest(agent_id=a.agent_id, max_tasks=16, wait_seconds=0)
             record("poll_another_agents_tasks", call(b.stub.PollTasks, poll))
@@ -284,7 +286,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             honest,
             before,
             after,
-            (handled_before, handled_after),
+            (handled_before, handled_after, handled_forged),
             events,
             oracle_rounds,
             oracle_params,
@@ -304,8 +306,9 @@ def test_refused_with_the_fitting_status(observed: Observed, case: str) -> None:
 
 
 def test_handshake_refusals_never_reach_a_handler(observed: Observed) -> None:
-    before, after = observed.handled
+    before, after, forged = observed.handled
     assert after == before, "a caller without a certificate of the deployment's CA got an RPC handled"
+    assert forged == after + 1, "the counter must see a call that passed the handshake (B's forged result)"
 
 
 def test_internal_apis_answer_service_identities(observed: Observed) -> None:
