@@ -8,8 +8,9 @@ leaves a usable state (docs/reliability.md):
 - `checkpoint.pb`: a `fairfl.v1.Checkpoint` replaced atomically (temp file, fsync, rename, fsync of the directory)
   when the run starts and after every round: config, round, model, strategy / DP / privacy-gate / selector state,
   RNG states.
-- `pending.pb`: the round authorised by the privacy gate before its tasks left (selection and candidate count), so
-  a resumed run re-runs that round with the same selection and the ledger recognises the identical authorisation.
+- `pending.pb`: the round about to be authorised by the privacy gate, written before the ledger call (selection and
+  candidate count), so a resumed run re-runs that round with the same selection and the ledger recognises the
+  identical authorisation (or, if the crash came before the ledger call, records it for the first time).
 
 Nothing is pickled: state trees are JSON with tensors as raw little-endian bytes (fairfl.codec).
 """
@@ -277,9 +278,10 @@ class RunCheckpointer:
         if engine is not None:
             self._write(engine)
 
-    def authorized(self, round_number: int, selected: list[int], population: int, epsilon: float) -> None:
+    def planned(self, round_number: int, selected: list[int], population: int) -> None:
+        """The round about to be authorised (written before the ledger call, see RoundEngine._run_round)."""
         record = checkpoint_pb2.PendingRound(
-            run_id=self.run_id, round=round_number, selected=selected, population=population, epsilon_spent=epsilon
+            run_id=self.run_id, round=round_number, selected=selected, population=population
         )
         atomic_write(self.directory / PENDING_FILE, record.SerializeToString())
 

@@ -299,10 +299,12 @@ class RoundEngine:
             lambda clients: self._probe_losses(round_number, clients, model_ref),
         )
         selected, population = self._replayed(round_number, selected, len(candidates))
+        # Write-ahead: the planned round is on disk before the ledger records it, so a crash in between re-runs this
+        # same selection (a replay to the ledger) rather than asking it to authorise a different one.
+        if self.checkpointer is not None:
+            self.checkpointer.planned(round_number, selected, population)
         # Records this round's privacy events before any task leaves; a refusal stops the run (RunStopped).
         epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected, population)
-        if self.checkpointer is not None:
-            self.checkpointer.authorized(round_number, selected, population, epsilon)
         ctx = RoundContext(
             self.run_id,
             round_number,

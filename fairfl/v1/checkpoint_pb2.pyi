@@ -44,15 +44,13 @@ class Checkpoint(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., experiment_yaml: _Optional[str] = ..., round: _Optional[int] = ..., model: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[StateTensor, _Mapping]]] = ..., events: _Optional[int] = ..., saved_unix: _Optional[float] = ..., finished: _Optional[bool] = ..., final_state: _Optional[str] = ..., final_message: _Optional[str] = ...) -> None: ...
 
 class PendingRound(_message.Message):
-    __slots__ = ("run_id", "round", "selected", "population", "epsilon_spent")
+    __slots__ = ("run_id", "round", "selected", "population")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     POPULATION_FIELD_NUMBER: _ClassVar[int]
-    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     selected: _containers.RepeatedScalarFieldContainer[int]
     population: int
-    epsilon_spent: float
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., selected: _Optional[_Iterable[int]] = ..., population: _Optional[int] = ..., epsilon_spent: _Optional[float] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., selected: _Optional[_Iterable[int]] = ..., population: _Optional[int] = ...) -> None: ...
