@@ -120,7 +120,11 @@ def test_hicsfl_presets_and_comparison_load_and_evaluate_every_round() -> None:
         assert (cfg.data.num_clients, cfg.selection.clients_per_round, cfg.rounds) == (50, 5, 200)
         assert cfg.data.partition == "dirichlet_groups" and cfg.evaluation.every <= 2
         assert (cfg.training.local_epochs, cfg.training.batch_size) == (2, 64)
+        # The paper's metric (global test accuracy) and the T calibrated for lr 0.001 with frozen warm-up updates.
+        assert cfg.data.test_split == "iid" and cfg.training.lr == 0.001
+        assert cfg.selection.params["temperature"] == 0.005 and cfg.selection.params["freeze_after_warmup"] is True
     spec = load_comparison(REPO / "experiments" / "hicsfl" / "fmnist_setting2.compare.yaml")
+    assert spec.target_accuracy == 75
     runs = {run.label: run for run in spec.runs}
     methods = {label: spec.experiment(run, run.seeds[0]).selection.method for label, run in runs.items()}
     assert sorted(methods.values()) == ["clustered_sampling", "hics", "power_of_choice", "random"]
