@@ -59,9 +59,10 @@ class LocalSelector:
 
 class RemoteSelector:
     """The clustering service's samplers. Select and ReportSignatures are idempotent per round, so calls are retried
-    through a service restart for PEER_RETRY_S. The service keeps signatures in memory: this peer keeps the latest
-    signature of every client it reported and re-sends them after its channel lost the connection (a restarted
-    service starts empty), before the next call; the cache is part of the aggregator's checkpoint."""
+    through a service restart for PEER_RETRY_S. The service keeps signatures in memory and names its store in every
+    reply (instance_id): this peer keeps the latest signature of every client it reported, and when a reply comes
+    from a store other than the one it filled (the service restarted), it re-sends them and repeats the call. The
+    cache is part of the aggregator's checkpoint."""
 
     def __init__(self, address: str, method: str, retry_s: float = PEER_RETRY_S) -> None:
         self.method = int(parse_method(method))  # the enum mirrors fairfl.v1.SelectionMethod
@@ -71,48 +72,48 @@ class RemoteSelector:
         self.retry_s = retry_s
         self.signatures: dict[tuple[str, int], clustering_pb2.ClientSignature] = {}  # (run, client) -> latest
         self._lock = threading.Lock()
-        self._ready = False
-        self._stale = False  # the connection dropped since signatures were last in sync
-        self.channel.subscribe(self._on_connectivity, try_to_connect=False)
-
-    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
-        with self._lock:
-            if state == grpc.ChannelConnectivity.READY:
-                self._ready = True
-            elif self._ready:
-                self._ready, self._stale = False, True
-
-    def _resync(self, run_id: str) -> None:
-        with self._lock:
-            stale, self._stale = self._stale, False
-            cached = [sig for (run, _), sig in sorted(self.signatures.items()) if run == run_id]
-        if stale and cached:
-            log.info("clustering service reconnected: re-reporting %d signatures of run %s", len(cached), run_id)
-            request = clustering_pb2.ReportSignaturesRequest(run_id=run_id, signatures=cached)
-            self._call(self.stub.ReportSignatures, request)
+        self._synced: dict[str, str] = {}  # run id -> instance_id of the store that holds its signatures
 
     def _call(self, method: Callable[..., T], request: object) -> T:
-        try:
-            return call_with_retry(method, request, self.retry_s, f"clustering service at {self.address}")
-        except grpc.RpcError:
-            with self._lock:
-                self._stale = True  # whatever the service holds now, re-report before relying on it
-            raise
+        return call_with_retry(method, request, self.retry_s, f"clustering service at {self.address}")
+
+    def _in_sync(self, run_id: str, instance_id: str) -> bool:
+        """Whether the store that answered holds this run's signatures; if not, re-send them (False: call again)."""
+        with self._lock:
+            cached = [sig for (run, _), sig in sorted(self.signatures.items()) if run == run_id]
+            if not cached or self._synced.get(run_id) == instance_id:
+                self._synced[run_id] = instance_id
+                return True
+        log.info(
+            "clustering service %s restarted: re-reporting %d signatures of run %s", self.address, len(cached), run_id
+        )
+        request = clustering_pb2.ReportSignaturesRequest(run_id=run_id, signatures=cached)
+        reply = self._call(self.stub.ReportSignatures, request)
+        with self._lock:
+            self._synced[run_id] = reply.instance_id
+        return False
 
     def report_signatures(self, run_id: str, signatures: Sequence[clustering_pb2.ClientSignature]) -> None:
         """Store clients' signatures in the service (and in this peer's cache, newest round per client)."""
-        self._resync(run_id)
         with self._lock:
+            fresh = run_id not in self._synced and not any(run == run_id for run, _ in self.signatures)
             for sig in signatures:
                 old = self.signatures.get((run_id, sig.client_id))
                 if old is None or sig.round >= old.round:
                     self.signatures[(run_id, sig.client_id)] = sig
         request = clustering_pb2.ReportSignaturesRequest(run_id=run_id, signatures=list(signatures))
-        self._call(self.stub.ReportSignatures, request)
+        reply = self._call(self.stub.ReportSignatures, request)
+        if fresh:  # the run's first report: the store that answered holds everything cached for it
+            with self._lock:
+                self._synced[run_id] = reply.instance_id
+        else:
+            self._in_sync(run_id, reply.instance_id)  # re-sends the whole cache (these included) to a new store
 
     def select(self, context: SelectionContext) -> SelectionOutput:
-        self._resync(context.run_id)
-        reply = self._call(self.stub.Select, select_request(self.method, context))
+        request = select_request(self.method, context)
+        reply = self._call(self.stub.Select, request)
+        if not self._in_sync(context.run_id, reply.instance_id):
+            reply = self._call(self.stub.Select, request)  # the same request on the refilled store
         return SelectionOutput(
             selected=tuple(reply.selected),
             cluster_of_selected=tuple(reply.cluster_of_selected),
@@ -136,11 +137,9 @@ class RemoteSelector:
             for run, raw in state.get("signatures", []):
                 sig = clustering_pb2.ClientSignature.FromString(np.asarray(raw, dtype=np.uint8).tobytes())
                 self.signatures[(str(run), sig.client_id)] = sig
-            self._stale = bool(self.signatures)
+            self._synced.clear()  # the service may have restarted too: its first reply decides
 
     def close(self) -> None:
-        self.channel.unsubscribe(self._on_connectivity)
-        time.sleep(0.3)  # grpc's connectivity poller notices within 0.2 s; closing under it makes it raise
         self.channel.close()
 
 

@@ -180,7 +180,7 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ReportSignatures(run {request.run_id!r}): {err}")
         telemetry.SIGNATURES.inc(len(signatures))
         log.debug("run %s: stored %d of %d signatures", request.run_id, stored, len(signatures))
-        return clustering_pb2.ReportSignaturesReply(stored=stored)
+        return clustering_pb2.ReportSignaturesReply(stored=stored, instance_id=self.store.instance_id)
 
     def Select(
         self, request: clustering_pb2.SelectRequest, context: grpc.ServicerContext
@@ -214,6 +214,7 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
             cluster_of_selected=out.cluster_of_selected,
             selection_seconds=out.seconds,
             needs_losses=out.needs_losses,
+            instance_id=self.store.instance_id,
         )
 
     def Cluster(

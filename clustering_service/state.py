@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +157,8 @@ class StateStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._runs: dict[str, RunState] = {}
+        # Told to callers with every reply, so a caller can tell a restarted (empty) store from the one it filled.
+        self.instance_id = uuid.uuid4().hex
 
     def run(self, run_id: str) -> RunState:
         """The state of `run_id`, created empty on first use."""

@@ -59,10 +59,12 @@ class ReportSignaturesRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., signatures: _Optional[_Iterable[_Union[ClientSignature, _Mapping]]] = ...) -> None: ...
 
 class ReportSignaturesReply(_message.Message):
-    __slots__ = ("stored",)
+    __slots__ = ("stored", "instance_id")
     STORED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     stored: int
-    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, stored: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SelectionParams(_message.Message):
     __slots__ = ("temperature", "lambda_entropy", "gamma0", "num_clusters", "total_rounds", "warmup_rounds", "candidates", "ward_rows_as_features", "uniform_within_cluster", "freeze_after_warmup", "max_ward_points")
@@ -115,16 +117,18 @@ class SelectRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., num_to_select: _Optional[int] = ..., candidates: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[SelectionMethod, str]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[SelectionParams, _Mapping]] = ..., candidate_losses: _Optional[_Iterable[float]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_num_samples: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SelectReply(_message.Message):
-    __slots__ = ("selected", "cluster_of_selected", "selection_seconds", "needs_losses")
+    __slots__ = ("selected", "cluster_of_selected", "selection_seconds", "needs_losses", "instance_id")
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_OF_SELECTED_FIELD_NUMBER: _ClassVar[int]
     SELECTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     selected: _containers.RepeatedScalarFieldContainer[int]
     cluster_of_selected: _containers.RepeatedScalarFieldContainer[int]
     selection_seconds: float
     needs_losses: bool
-    def __init__(self, selected: _Optional[_Iterable[int]] = ..., cluster_of_selected: _Optional[_Iterable[int]] = ..., selection_seconds: _Optional[float] = ..., needs_losses: _Optional[bool] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, selected: _Optional[_Iterable[int]] = ..., cluster_of_selected: _Optional[_Iterable[int]] = ..., selection_seconds: _Optional[float] = ..., needs_losses: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class ClusterRequest(_message.Message):
     __slots__ = ("run_id", "round", "method", "num_clusters", "client_ids", "rows", "similarity", "seed", "linkage", "true_groups")

@@ -574,11 +574,26 @@ def test_selector_re_reports_signatures_to_a_restarted_clustering_service() -> N
         assert len(selector.select(context).selected) == 2
         stored = second_store.run(RUN).signatures()
         assert sorted(stored) == [0, 1, 2, 3] and np.array_equal(stored[3].bias_update, np.ones(3) * 3)
-        # The cache survives an aggregator restart through the checkpoint, and is re-sent before the next call.
+        # A report that reaches a restarted store sends the whole cache along, not only the new signature.
+        running.stop(grace=0)
+        third_store = StateStore()
+        running = serve(f"127.0.0.1:{port}", third_store)
+        newer = clustering_pb2.ClientSignature(
+            client_id=1, round=2, num_samples=10, bias_update=signatures[1].bias_update
+        )
+        selector.report_signatures(RUN, [newer])
+        stored = third_store.run(RUN).signatures()
+        assert sorted(stored) == [0, 1, 2, 3] and stored[1].round == 2
+        # The cache survives an aggregator restart through the checkpoint, and is re-sent on first contact.
         clone = RemoteSelector(f"127.0.0.1:{port}", "random")
         text, tensors = encode_state(selector.state_dict())
         clone.load_state_dict(decode_state(text, tensors))
         assert sorted(c for _, c in clone.signatures) == [0, 1, 2, 3]
+        running.stop(grace=0)
+        fourth_store = StateStore()
+        running = serve(f"127.0.0.1:{port}", fourth_store)
+        clone.select(context)
+        assert sorted(fourth_store.run(RUN).signatures()) == [0, 1, 2, 3]
         clone.close()
     finally:
         selector.close()
