@@ -231,6 +231,25 @@ def warmup_block(candidates: NDArray[np.int64], count: int, seed: int, round_num
     return order[start : start + count]
 
 
+def warmup_selection(request: SelectionInput, warmup_rounds: int) -> SelectionOutput | None:
+    """This round's warm-up block while `request.round` <= `warmup_rounds`; None after the warm-up (or when the block
+    is empty: fewer candidates than the warm-up expected)."""
+    if warmup_rounds > 0 and request.round <= warmup_rounds:
+        block = warmup_block(request.candidates, request.num_to_select, request.seed, request.round)
+        if block.size:
+            return SelectionOutput(selected=tuple(block.tolist()))
+    return None
+
+
+def require_similarity(request: SelectionInput, method: str) -> NDArray[np.float64]:
+    """The update-similarity matrix a model-similarity sampler needs; InvalidInput naming the method if absent."""
+    if request.similarity is None:
+        raise InvalidInput(
+            f"{method} needs similarity: the Gram matrix (inner products) of the candidates' last updates"
+        )
+    return request.similarity
+
+
 def gumbel_top_k(log_weights: NDArray[np.float64], count: int, rng: np.random.Generator) -> NDArray[np.int64]:
     """Indices of `count` items drawn one by one without replacement, each ∝ exp(log_weights) among those left
     (Gumbel-top-k: the same distribution as the sequential draw, in one vectorised pass). -inf weights are never

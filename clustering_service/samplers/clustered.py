@@ -21,15 +21,15 @@ from scipy.cluster import hierarchy
 from scipy.spatial.distance import squareform
 
 from clustering_service.clustering import canonical_labels
-from clustering_service.errors import InvalidInput
 from clustering_service.samplers.base import (
     Sampler,
     SelectionInput,
     SelectionMethod,
     SelectionOutput,
     data_sizes,
+    require_similarity,
     round_rng,
-    warmup_block,
+    warmup_selection,
 )
 from clustering_service.samplers.hierarchy import angles_from_gram
 from clustering_service.state import RunState
@@ -107,18 +107,13 @@ class ClusteredSampler(Sampler):
         self.check_params(p)
         cands, k = request.candidates, request.num_to_select
         rng = round_rng(request.seed, request.round)
-        warmup = p.warmup_rounds or 0  # Fraboni's algorithm needs none: zero updates are all at distance 0
-        if warmup > 0 and request.round <= warmup:
-            block = warmup_block(cands, k, request.seed, request.round)
-            if block.size:
-                return SelectionOutput(selected=tuple(block.tolist()))
-        if request.similarity is None:
-            raise InvalidInput(
-                "CLUSTERED_SAMPLING needs similarity: the Gram matrix (inner products) of the candidates' last updates"
-            )
+        # Fraboni's algorithm needs no warm-up: zero updates are all at distance 0.
+        if (warm := warmup_selection(request, p.warmup_rounds or 0)) is not None:
+            return warm
+        similarity = require_similarity(request, "CLUSTERED_SAMPLING")
         sizes = request.candidate_num_samples
         shares = data_sizes(sizes) if sizes is not None else np.ones(cands.size)
         shares = shares / shares.sum()
-        labels = mass_capped_clusters(angles_from_gram(request.similarity), shares, k, bool(p.ward_rows_as_features))
+        labels = mass_capped_clusters(angles_from_gram(similarity), shares, k, bool(p.ward_rows_as_features))
         picks = draw_one_per_row(sampling_distributions(labels, shares, k, rng), rng)
         return SelectionOutput(selected=tuple(cands[picks].tolist()), cluster_of_selected=tuple(labels[picks].tolist()))

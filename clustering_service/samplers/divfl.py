@@ -9,14 +9,14 @@ Ties go to a seeded random order of the candidates.
 
 from __future__ import annotations
 
-from clustering_service.errors import InvalidInput
 from clustering_service.samplers.base import (
     Sampler,
     SelectionInput,
     SelectionMethod,
     SelectionOutput,
+    require_similarity,
     round_rng,
-    warmup_block,
+    warmup_selection,
 )
 from clustering_service.samplers.hics import default_warmup
 from clustering_service.samplers.hierarchy import euclidean_from_gram, facility_location_greedy
@@ -32,15 +32,9 @@ class DivflSampler(Sampler):
         self.check_params(p)
         cands, k = request.candidates, request.num_to_select
         warmup = p.warmup_rounds if p.warmup_rounds is not None else default_warmup(cands.size, k)
-        if warmup > 0 and request.round <= warmup:
-            block = warmup_block(cands, k, request.seed, request.round)
-            if block.size:
-                return SelectionOutput(selected=tuple(block.tolist()))
-        if request.similarity is None:
-            raise InvalidInput(
-                "DIVFL needs similarity: the Gram matrix (inner products) of the candidates' last updates"
-            )
-        distance = euclidean_from_gram(request.similarity)
+        if (warm := warmup_selection(request, warmup)) is not None:
+            return warm
+        distance = euclidean_from_gram(require_similarity(request, "DIVFL"))
         order = round_rng(request.seed, request.round).permutation(cands.size)
         picked = facility_location_greedy(distance, k, order)
         return SelectionOutput(selected=tuple(cands[picked].tolist()))

@@ -28,7 +28,7 @@ from clustering_service.samplers.base import (
     data_sizes,
     gumbel_top_k,
     round_rng,
-    warmup_block,
+    warmup_selection,
 )
 from clustering_service.samplers.hierarchy import HicsGeometry, entropy_estimate, ward_clusters
 from clustering_service.state import RunState
@@ -80,10 +80,8 @@ class HicsSampler(Sampler):
             raise InvalidInput("params.total_rounds is required for HICS (γ_t = γ0(1 − t/total_rounds))")
         cands, k = request.candidates, request.num_to_select
         warmup = p.warmup_rounds if p.warmup_rounds is not None else default_warmup(cands.size, k)
-        if warmup > 0 and request.round <= warmup:
-            block = warmup_block(cands, k, request.seed, request.round)
-            if block.size:
-                return SelectionOutput(selected=tuple(block.tolist()))
+        if (warm := warmup_selection(request, warmup)) is not None:
+            return warm
         bias, sizes = self._signatures(request, state, frozen=bool(p.freeze_after_warmup))
         entropies = entropy_estimate(bias, p.temperature or DEFAULT_TEMPERATURE)
         lam = DEFAULT_LAMBDA if p.lambda_entropy is None else p.lambda_entropy
