@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from fairfl.params import to_device
 from fairfl.v1 import federation_pb2
 
 # Samples per vmap call: bounds the per-sample gradient memory (CHUNK × model size × 4 bytes). A constant, so the
@@ -190,7 +191,13 @@ def per_sample_grad_fn(model: nn.Module) -> Callable[..., tuple[dict[str, torch.
 class ClippedSum:
     sums: dict[str, torch.Tensor]  # Σ_j c_j g_j per parameter
     batch: int  # |B|
-    loss_sum: float  # Σ_j ℓ_j (telemetry, not released)
+    # Σ_j ℓ_j (telemetry, not released): a float64 scalar on the batch's device, summed chunk by chunk in the order
+    # float() of each chunk's sum would add them, so reading it is the only wait for the device (see loss_sum)
+    loss_total: torch.Tensor
+
+    @property
+    def loss_sum(self) -> float:
+        return float(self.loss_total)
 
 
 def layerwise_supported(model: nn.Module) -> bool:
@@ -242,7 +249,7 @@ def clipped_gradient_sum(
     buffers = {k: v.detach() for k, v in model.named_buffers()}
     fn = per_sample_grad_fn(model)
     sums = {k: torch.zeros_like(v) for k, v in params.items()}
-    loss_sum = 0.0
+    loss_total = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, len(y), chunk):
         grads, losses = fn(params, buffers, x[start : start + chunk], y[start : start + chunk])
         if prox is not None:
@@ -254,8 +261,8 @@ def clipped_gradient_sum(
         coef = fair_clip_coefficients(losses, norms, clip_norm, fair_lambda, global_loss)
         for k, g in grads.items():
             sums[k] += torch.tensordot(coef, g, dims=1)
-        loss_sum += float(losses.sum())
-    return ClippedSum(sums, len(y), loss_sum)
+        loss_total += losses.sum()
+    return ClippedSum(sums, len(y), loss_total)
 
 
 def _layerwise_clipped_sum(
@@ -270,7 +277,7 @@ def _layerwise_clipped_sum(
     layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
     names = {id(p): k for k, p in model.named_parameters()}
     sums = {k: torch.zeros_like(p.detach()) for k, p in model.named_parameters()}
-    loss_sum = 0.0
+    loss_total = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, len(y), chunk):
         xb, yb = x[start : start + chunk], y[start : start + chunk]
         captured: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -325,14 +332,14 @@ def _layerwise_clipped_sum(
                 sums[names[id(m.weight)]] += torch.tensordot(coef, first, dims=1).reshape(m.weight.shape)
                 if m.bias is not None:
                     sums[names[id(m.bias)]] += coef @ second
-        loss_sum += float(losses.detach().sum())
-    return ClippedSum(sums, len(y), loss_sum)
+        loss_total += losses.detach().sum()
+    return ClippedSum(sums, len(y), loss_total)
 
 
 def gaussian_like(tensors: dict[str, torch.Tensor], std: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """N(0, std²) per coordinate, drawn on the CPU generator (same numbers on every device), moved to each tensor's
-    device."""
-    return {k: torch.normal(0.0, std, t.shape, generator=gen).to(t.device) for k, t in tensors.items()}
+    device (asynchronously on CUDA: the host draws the next tensor's noise while this one is copied)."""
+    return {k: to_device(torch.normal(0.0, std, t.shape, generator=gen), t.device) for k, t in tensors.items()}
 
 
 @torch.no_grad()
@@ -346,9 +353,9 @@ def noisy_loss(
     gen: torch.Generator,
 ) -> float:
     """F̃ = (Σ_j min(C_l, max(0, ℓ_j)) + σ_l C_l N(0, 1)) / divisor on the batch (x, y) (Alg. 2 lines 23–28)."""
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, len(y), LOSS_BATCH):
         losses = F.cross_entropy(model(x[start : start + LOSS_BATCH]), y[start : start + LOSS_BATCH], reduction="none")
-        total += float(losses.clamp(0.0, loss_clip).double().sum())
+        total += losses.clamp(0.0, loss_clip).double().sum()
     noise = float(torch.normal(0.0, 1.0, (1,), generator=gen, dtype=torch.float64)) * noise_multiplier * loss_clip
-    return (total + noise) / divisor
+    return (float(total) + noise) / divisor

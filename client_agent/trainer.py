@@ -2,6 +2,12 @@
 
 One `ClientRuntime` per process holds the run's federated data and one reusable model on one device; each task
 loads the global parameters into that model, so hosting many logical clients costs one model's memory.
+
+On CUDA the host waits for the device only where a value must reach it: a round's global model is copied to the
+device once (pinned staging, non_blocking) and shared by every client trained from it; index batches go up the same
+way; losses are summed on the device and read once; updates come down into pinned buffers and the runtime
+synchronises once per task, before the result is handed on for encoding. On the CPU the arithmetic and its order
+are exactly those of a plain loop (tests compare gRPC runs bit for bit with the in-process oracle).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from client_agent import dp_sgd
 from fairfl.config import ExperimentConfig
 from fairfl.data import FederatedData, build_federated
 from fairfl.models import build_model
-from fairfl.params import ParamLayout, flatten_parameters, load_flat
+from fairfl.params import DeviceCache, ParamLayout, flatten_on_device, load_flat, synchronize, to_device, to_host
 from fairfl.privacy import check_randomness, dp_seed
 from fairfl.protocol import EVALUATE, FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
@@ -76,6 +82,7 @@ class ClientRuntime:
         self.resolve_blob = resolve_blob
         self.model = build_global_model(config, data.input_shape, data.num_classes).to(device)
         self.layout = ParamLayout.of(self.model)
+        self.resident = DeviceCache(device)  # the round's x_t (and fair gradient), on the device once per version
         self.num_classes = data.num_classes
         self.clients: dict[int, _ClientTensors] = {}
         for cid in client_ids:
@@ -94,8 +101,8 @@ class ClientRuntime:
         if client is None:
             raise KeyError(f"client {task.client_id} is not hosted here")
         self.dp_policy.check(task)  # before anything touches the data
-        params = self.resolve_blob(task.model)
-        load_flat(self.model, params)
+        x0 = self.resident.get(task.model.sha256, self.resolve_blob(task.model))
+        load_flat(self.model, x0)
         result = ClientResult(
             task_id=task.task_id,
             run_id=task.run_id,
@@ -105,13 +112,14 @@ class ClientRuntime:
             num_samples=len(client.y_train),
         )
         if task.phase == TRAIN:
-            self._train(task, client, params, result)
+            self._train(task, client, x0, result)
         elif task.phase == PROBE:
             self._probe(task, client, result)
         elif task.phase == EVALUATE:
             self._evaluate(task, client, result)
         else:
             raise ValueError(f"unknown task phase {task.phase}")
+        synchronize(self.device)  # the payloads' device→host copies were queued; the caller reads them next
         return result
 
     # -- procedures ---------------------------------------------------------------------------------------------
@@ -141,14 +149,15 @@ class ClientRuntime:
         anchor = [p.detach().clone() for p in params] if cfg.prox_mu > 0 else None
         fair_grad = None
         if cfg.HasField("alignment"):
-            fair_grad = [
-                t.to(self.device) for _, t in self.layout.split(self.resolve_blob(cfg.alignment.fair_gradient))
-            ]
+            ref = cfg.alignment.fair_gradient
+            fair_grad = [t for _, t in self.layout.split(self.resident.get(ref.sha256, self.resolve_blob(ref)))]
 
         model.train()
         order = torch.empty(0, dtype=torch.long)
         position = 0
-        loss_sum = 0.0
+        # Summed on the device in float64, in step order: the same number as adding float(loss) on the host, without
+        # waiting for the device every step.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         lr_sum = 0.0
         first_step: torch.Tensor | None = None
         # Equitable-FL activation vector (seed-equitable.md §1.4): from the penultimate layer's output h over the
@@ -163,10 +172,10 @@ class ClientRuntime:
         activation_sum = torch.zeros(model.feature_dim, dtype=torch.float64, device=self.device)
         activation_count = 0
         for step in range(steps):
-            if position + batch > len(order):  # new epoch: fresh permutation
-                order = torch.randperm(n, generator=gen)
+            if position + batch > len(order):  # new epoch: fresh permutation (CPU generator: same on every device)
+                order = to_device(torch.randperm(n, generator=gen), self.device)
                 position = 0
-            idx = order[position : position + batch].to(self.device)
+            idx = order[position : position + batch]
             position += batch
             if step >= activation_from:
                 hidden = model.features(c.x_train[idx])
@@ -190,20 +199,21 @@ class ClientRuntime:
                 for p, g in zip(params, fair_grad, strict=True):
                     p.grad.mul_(1.0 - alpha).add_(g, alpha=alpha)
             if fair is not None:  # FedFair Eq. 11: η_i = η·(1 + λ·(F_i(w, b) − F)), from this batch's loss
+                # (the step size is a host number, so this reads the loss every step: the one per-step sync left)
                 step_lr = lr * max(0.0, 1.0 + fair.fair_lambda * (float(loss.detach()) - fair.global_loss))
                 for group in opt.param_groups:
                     group["lr"] = step_lr
                 lr_sum += step_lr
             opt.step()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach()
             if step == 0 and cfg.record_first_step:
-                first_step = flatten_parameters(model) - x0
-        x_k = flatten_parameters(model)
-        out.payloads[UPDATE] = x_k - x0
+                first_step = flatten_on_device(model) - x0
+        update = flatten_on_device(model) - x0  # x_K − x_t, computed on the device where both are
+        out.payloads[UPDATE] = to_host(update)
         if first_step is not None:
-            out.payloads[FIRST_STEP_UPDATE] = first_step
+            out.payloads[FIRST_STEP_UPDATE] = to_host(first_step)
         out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
-        out.metrics["train_loss"] = loss_sum / max(steps, 1)
+        out.metrics["train_loss"] = float(loss_sum) / max(steps, 1)
         out.metrics["local_steps"] = float(steps)
         out.metrics["lr"] = lr_sum / max(steps, 1) if fair is not None else lr
         if cfg.want_bias_update:
@@ -211,7 +221,7 @@ class ClientRuntime:
             offset = 0
             for name, size in zip(self.layout.names, self.layout.sizes, strict=True):
                 if name == bias_name:
-                    out.bias_update = out.payloads[UPDATE][offset : offset + size].double().numpy().copy()
+                    out.bias_update = update[offset : offset + size].double().cpu().numpy()
                 offset += size
         if cfg.want_activation:
             out.activation = self._activation(c, mode, activation_sum, activation_count).cpu().numpy()
@@ -250,10 +260,11 @@ class ClientRuntime:
         anchor = {k: p.detach().clone() for k, p in params.items()} if cfg.prox_mu > 0 else None
         global_loss = cfg.fair_step.global_loss if cfg.HasField("fair_step") else 0.0
         idx = torch.empty(0, dtype=torch.long)
-        loss_sum, sampled = 0.0, 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # telemetry only: read once, if asked
+        sampled = 0
         model.train()
         for _ in range(cfg.local_steps):
-            idx = dp_sgd.poisson_sample(n, dp.sample_rate, sample_gen).to(self.device)
+            idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, sample_gen), self.device)
             prox = None
             if anchor is not None:
                 prox = {k: cfg.prox_mu * (p.detach() - anchor[k]) for k, p in params.items()}
@@ -266,13 +277,13 @@ class ClientRuntime:
             for k, p in params.items():
                 p.grad = (clipped.sums[k] + noise[k]) / divisor
             opt.step()
-            loss_sum += clipped.loss_sum
+            loss_sum += clipped.loss_total
             sampled += clipped.batch
-        out.payloads[UPDATE] = flatten_parameters(model) - x0
+        out.payloads[UPDATE] = to_host(flatten_on_device(model) - x0)
         if dp.loss_noise_multiplier > 0:
             clip = max(dp.loss_clip, dp.loss_clip_min)
             if not dp.shared_loss_batch:  # §2.6 (a): an independent Poisson batch, so Theorem 3 applies
-                idx = dp_sgd.poisson_sample(n, dp.sample_rate, loss_sample_gen).to(self.device)
+                idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, loss_sample_gen), self.device)
             model.eval()
             out.noisy_loss = dp_sgd.noisy_loss(
                 model,
@@ -286,7 +297,7 @@ class ClientRuntime:
             out.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)
         if telemetry:
             out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
-            out.metrics["train_loss"] = loss_sum / max(sampled, 1)
+            out.metrics["train_loss"] = float(loss_sum) / max(sampled, 1)
         out.metrics["local_steps"] = float(cfg.local_steps)
         out.metrics["lr"] = cfg.lr
 
@@ -300,21 +311,15 @@ class ClientRuntime:
             self.model.zero_grad(set_to_none=False)
             batches = max(cfg.gradient_batches, 1)
             for _ in range(batches):
-                idx = torch.randperm(len(c.y_train), generator=gen)[:batch].to(self.device)
+                idx = to_device(torch.randperm(len(c.y_train), generator=gen)[:batch], self.device)
                 loss = F.cross_entropy(self.model(c.x_train[idx]), c.y_train[idx]) / batches
                 loss.backward()
-            out.payloads[GRADIENT] = torch.cat([p.grad.reshape(-1) for p in self.model.parameters()]).float().cpu()
+            out.payloads[GRADIENT] = to_host(torch.cat([p.grad.reshape(-1) for p in self.model.parameters()]).float())
 
     @torch.no_grad()
     def _evaluate(self, task: federation_pb2.Task, c: _ClientTensors, out: ClientResult) -> None:
         self.model.eval()
-        correct = 0
-        loss_sum = 0.0
-        for start in range(0, len(c.y_test), EVAL_BATCH):
-            logits = self.model(c.x_test[start : start + EVAL_BATCH])
-            y = c.y_test[start : start + EVAL_BATCH]
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == y).sum())
+        loss_sum, correct = self._sums(self.model, c.x_test, c.y_test)
         n_test = len(c.y_test)
         out.num_samples = n_test
         out.test_accuracy = 100.0 * correct / n_test
@@ -335,17 +340,25 @@ class ClientRuntime:
         self.model.eval()
         if max_batches > 0:
             gen = torch.Generator().manual_seed(seed + 1)
-            idx = torch.randperm(len(c.y_train), generator=gen)[: max_batches * batch].to(self.device)
+            idx = to_device(torch.randperm(len(c.y_train), generator=gen)[: max_batches * batch], self.device)
             x, y = c.x_train[idx], c.y_train[idx]
         else:
             x, y = c.x_train, c.y_train
-        total = 0.0
-        correct = 0
-        for start in range(0, len(y), EVAL_BATCH):
-            logits = self.model(x[start : start + EVAL_BATCH])
-            total += float(F.cross_entropy(logits, y[start : start + EVAL_BATCH], reduction="sum"))
-            correct += int((logits.argmax(dim=1) == y[start : start + EVAL_BATCH]).sum())
+        total, correct = self._sums(self.model, x, y)
         return total / len(y), 100.0 * correct / len(y)
+
+    @staticmethod
+    @torch.no_grad()
+    def _sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        """Summed cross-entropy and number of correct predictions over (x, y) in EVAL_BATCH slices, accumulated on
+        the device (float64 in slice order: the same number as adding each slice's float on the host) and read once."""
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        correct = torch.zeros((), dtype=torch.int64, device=x.device)
+        for start in range(0, len(y), EVAL_BATCH):
+            logits = model(x[start : start + EVAL_BATCH])
+            total += F.cross_entropy(logits, y[start : start + EVAL_BATCH], reduction="sum")
+            correct += (logits.argmax(dim=1) == y[start : start + EVAL_BATCH]).sum()
+        return float(total), int(correct)
 
     @torch.no_grad()
     def _activation(self, c: _ClientTensors, mode: int, total: torch.Tensor, count: int) -> torch.Tensor:

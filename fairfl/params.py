@@ -83,3 +83,82 @@ def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
             n = p.numel()
             p.copy_(flat[offset : offset + n].view_as(p), non_blocking=True)
             offset += n
+
+
+# -- device placement (client agents) ----------------------------------------------------------------------------------
+# On CUDA, host→device copies go through page-locked (pinned) memory with non_blocking=True, so the host thread queues
+# the copy and moves on; device→host copies land in pinned buffers the same way and are read after `synchronize`.
+# PyTorch's caching host allocator keeps a freed pinned block until the copy that used it has completed, so a staging
+# buffer may be dropped as soon as its copy is queued. On the CPU each function returns its input (no copy), so the
+# CPU arithmetic is exactly that of load_flat and flatten_parameters.
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: the tensor itself when it is already there; from the CPU to CUDA through a pinned staging
+    buffer and an asynchronous copy (ready in stream order, the host is not blocked)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        if tensor.is_pinned():
+            staged = tensor
+        else:
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            staged.copy_(tensor)
+        return staged.to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the CPU: the tensor itself when it is there; from CUDA, queued into a fresh pinned buffer with
+    non_blocking=True, so it must not be read before `synchronize(tensor's device)`."""
+    if tensor.device.type == "cuda":
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out.copy_(tensor, non_blocking=True)
+        return out
+    return tensor.cpu()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`'s current stream, the copies of `to_host` included (no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def flatten_on_device(model: nn.Module) -> torch.Tensor:
+    """flatten_parameters without the copy to the host: one float32 vector on the parameters' device."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float32)
+
+
+@dataclass
+class _Resident:
+    key: str
+    host: torch.Tensor
+    version: int
+    on_device: torch.Tensor
+
+
+class DeviceCache:
+    """Flat vectors (a round's global model, its fair gradient) kept on one device and copied there once per version:
+    the logical clients an agent trains in one round all start from the same x_t.
+
+    An entry is reused only for the same blob name, the same host tensor object and no in-place change to it since
+    (its autograd version counter), so a stale copy is never served, even where a caller rewrites a blob under one
+    name. On the CPU the "copy" is the host tensor itself.
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 2) -> None:
+        if capacity < 1:
+            raise ValueError(f"DeviceCache capacity must be >= 1, got {capacity}")
+        self.device = device
+        self.capacity = capacity
+        self.loads = 0  # versions placed on the device (host→device copies on CUDA)
+        self._entries: list[_Resident] = []  # least recently used first
+
+    def get(self, key: str, host: torch.Tensor) -> torch.Tensor:
+        for i, entry in enumerate(self._entries):
+            if entry.key == key and entry.host is host and entry.version == host._version:
+                self._entries.append(self._entries.pop(i))
+                return entry.on_device
+        entry = _Resident(key, host, host._version, to_device(host, self.device))
+        self.loads += 1
+        self._entries.append(entry)
+        del self._entries[: -self.capacity]
+        return entry.on_device
