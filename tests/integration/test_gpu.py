@@ -1,23 +1,32 @@
-"""Client training on a CUDA device agrees with the CPU. Skipped where no GPU is present (CI has none)."""
+"""Client training on a CUDA device: agrees with the CPU, copies each global model to the device once, returns results
+in pinned host memory, and does not wait for the device once per local step. Skipped where no GPU is present (CI has
+none); the CPU side of the same path is tests/unit/test_trainer_device.py."""
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from aggregator_service.engine import initial_model
 from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
-from fairfl.config import experiment_from_dict
-from fairfl.protocol import UPDATE
-from fairfl.v1 import federation_pb2
+from fairfl.config import ExperimentConfig, experiment_from_dict
+from fairfl.data import FederatedData
+from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, UPDATE, ClientResult
+from fairfl.v1 import federation_pb2, tensor_pb2
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 
+TRAIN = federation_pb2.PHASE_TRAIN
 
-def test_cuda_training_matches_cpu() -> None:
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[ExperimentConfig, FederatedData, torch.Tensor]:
     config = experiment_from_dict(
         {
             "data": {"dataset": "synthetic", "num_clients": 4},
@@ -26,13 +35,112 @@ def test_cuda_training_matches_cpu() -> None:
             "runtime": {"agents": 1},
         }
     )
-    data = load_run_data(config)
     _, params = initial_model(config)
-    task = federation_pb2.Task(task_id="t", run_id="r", round=1, phase=federation_pb2.PHASE_TRAIN, client_id=1, seed=5)
-    task.train.CopyFrom(federation_pb2.LocalTrainingConfig(local_steps=5, batch_size=16, lr=0.05))
-    updates = {}
-    for device in ("cpu", "cuda"):
-        runtime = ClientRuntime(config, data, [1], resolve_device(device), lambda ref: params)
-        updates[device] = runtime.run(task).payloads[UPDATE]
-    assert updates["cuda"].device.type == "cpu"  # results always come back on the host
-    torch.testing.assert_close(updates["cuda"], updates["cpu"], rtol=1e-4, atol=1e-5)
+    return config, load_run_data(config), params
+
+
+def runtime(setup: tuple[ExperimentConfig, FederatedData, torch.Tensor], device: str) -> ClientRuntime:
+    config, data, params = setup
+    blobs = {"x0": params, "g": torch.linspace(-0.01, 0.01, params.numel())}
+    return ClientRuntime(config, data, [0, 1, 2, 3], resolve_device(device), lambda ref: blobs[ref.sha256])
+
+
+def task(client: int, seed: int = 5, **train: object) -> federation_pb2.Task:
+    t = federation_pb2.Task(
+        task_id=f"t{client}", run_id="r", round=1, phase=TRAIN, client_id=client, seed=seed, model=tensor_pb2.BlobRef()
+    )
+    t.model.sha256 = "x0"
+    t.train.CopyFrom(federation_pb2.LocalTrainingConfig(**train))  # type: ignore[arg-type]
+    return t
+
+
+def both(setup: tuple[ExperimentConfig, FederatedData, torch.Tensor], t: federation_pb2.Task) -> list[ClientResult]:
+    return [runtime(setup, device).run(t) for device in ("cpu", "cuda")]
+
+
+def test_cuda_training_matches_cpu(setup: tuple[ExperimentConfig, FederatedData, torch.Tensor]) -> None:
+    cpu, cuda = both(setup, task(1, local_steps=5, batch_size=16, lr=0.05))
+    assert cuda.payloads[UPDATE].device.type == "cpu"  # results always come back on the host
+    torch.testing.assert_close(cuda.payloads[UPDATE], cpu.payloads[UPDATE], rtol=1e-4, atol=1e-5)
+    assert cuda.metrics["train_loss"] == pytest.approx(cpu.metrics["train_loss"], rel=1e-5)
+    assert cuda.loss_after == pytest.approx(cpu.loss_after, rel=1e-5)
+
+
+def test_cuda_signatures_alignment_probe_and_evaluation_match_cpu(
+    setup: tuple[ExperimentConfig, FederatedData, torch.Tensor],
+) -> None:
+    alignment = federation_pb2.GradientAlignment(alpha=0.5, fair_gradient=tensor_pb2.BlobRef(sha256="g"))
+    train = task(2, local_epochs=2, batch_size=16, lr=0.05, alignment=alignment, record_first_step=True)
+    train.train.want_bias_update = train.train.want_activation = True
+    cpu, cuda = both(setup, train)
+    for kind in (UPDATE, FIRST_STEP_UPDATE):
+        torch.testing.assert_close(cuda.payloads[kind], cpu.payloads[kind], rtol=1e-4, atol=1e-5)
+    assert cuda.bias_update is not None and cpu.bias_update is not None
+    torch.testing.assert_close(torch.from_numpy(cuda.bias_update), torch.from_numpy(cpu.bias_update), atol=1e-5, rtol=0)
+    assert cuda.activation is not None and cpu.activation is not None
+    torch.testing.assert_close(torch.from_numpy(cuda.activation), torch.from_numpy(cpu.activation), atol=1e-4, rtol=0)
+
+    probe = task(3)
+    probe.phase = federation_pb2.PHASE_PROBE
+    probe.probe.CopyFrom(federation_pb2.ProbeConfig(want_gradient=True, gradient_batches=2, batch_size=8))
+    cpu, cuda = both(setup, probe)
+    assert cuda.payloads[GRADIENT].device.type == "cpu"
+    torch.testing.assert_close(cuda.payloads[GRADIENT], cpu.payloads[GRADIENT], rtol=1e-4, atol=1e-5)
+
+    evaluate = task(0)
+    evaluate.phase = federation_pb2.PHASE_EVALUATE
+    evaluate.evaluate.CopyFrom(federation_pb2.EvaluateConfig(include_train_loss=True))
+    cpu, cuda = both(setup, evaluate)
+    assert cuda.test_loss == pytest.approx(cpu.test_loss, rel=1e-5)
+    assert cuda.loss_before == pytest.approx(cpu.loss_before, rel=1e-5)
+    assert abs(cuda.test_accuracy - cpu.test_accuracy) <= 100.0 / cuda.num_samples  # at most one argmax tie flips
+
+
+def test_cuda_dp_training_matches_cpu(setup: tuple[ExperimentConfig, FederatedData, torch.Tensor]) -> None:
+    # The noise is drawn on the CPU generator (task randomness), so both devices add the same noise to sums that
+    # differ only by float rounding.
+    dp = federation_pb2.DpSgd(
+        sample_rate=0.3, noise_multiplier=1.0, clip_norm=1.0, fair_lambda=0.1, loss_noise_multiplier=2.0, loss_clip=2.0
+    )
+    cpu, cuda = both(setup, task(1, local_steps=4, batch_size=16, lr=0.05, dp=dp))
+    torch.testing.assert_close(cuda.payloads[UPDATE], cpu.payloads[UPDATE], rtol=1e-4, atol=1e-5)
+    assert cuda.noisy_loss == pytest.approx(cpu.noisy_loss, rel=1e-5)
+
+
+def test_cuda_runtime_copies_each_model_once_and_returns_pinned_results(
+    setup: tuple[ExperimentConfig, FederatedData, torch.Tensor],
+) -> None:
+    rt = runtime(setup, "cuda")
+    results = [rt.run(task(c, seed=c, local_steps=3, batch_size=16, lr=0.05)) for c in range(4)]
+    assert rt.resident.loads == 1  # four logical clients, one host→device copy of x_t
+    for r in results:
+        assert r.payloads[UPDATE].device.type == "cpu" and r.payloads[UPDATE].is_pinned()
+        assert torch.isfinite(r.payloads[UPDATE]).all() and torch.count_nonzero(r.payloads[UPDATE]) > 0
+    assert not torch.equal(results[0].payloads[UPDATE], results[1].payloads[UPDATE])  # each its own buffer
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    """Synchronising CUDA calls made by fn (torch's sync debug mode warns once per call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["sgd", "dp_sgd"])
+def test_cuda_training_does_not_wait_for_the_device_every_step(
+    setup: tuple[ExperimentConfig, FederatedData, torch.Tensor], dp: bool
+) -> None:
+    rt = runtime(setup, "cuda")
+    extra: dict[str, object] = {"dp": federation_pb2.DpSgd(sample_rate=0.3, noise_multiplier=1.0, clip_norm=1.0)}
+    if not dp:
+        extra = {"momentum": 0.9}
+    rt.run(task(0, local_steps=2, batch_size=16, lr=0.05, **extra))  # warm-up: lazy CUDA and allocator set-up
+    short = count_syncs(lambda: rt.run(task(1, local_steps=2, batch_size=16, lr=0.05, **extra)))
+    long = count_syncs(lambda: rt.run(task(2, local_steps=30, batch_size=16, lr=0.05, **extra)))
+    assert short > 0  # the check sees syncs (reading losses, handing the result over)
+    assert long == short  # 28 more steps, not one more wait for the device
