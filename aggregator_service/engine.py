@@ -25,6 +25,7 @@ from aggregator_service.dp import DpController
 from aggregator_service.selection import SelectionDriver, Selector
 from aggregator_service.strategies import RoundContext, Strategy, build_strategy
 from aggregator_service.strategies.base import train_results
+from aggregator_service.strategies.fold import ResultFold
 from client_agent.trainer import build_global_model
 from fairfl.config import ExperimentConfig
 from fairfl.data.groups import client_groups
@@ -72,6 +73,9 @@ class PhaseOutcome:
     rejected: int = 0
 
 
+ResultSink = Callable[[ClientResult], None]
+
+
 class ClientTransport(ABC):
     """How the engine reaches clients. Implementations: in-process (oracle) and gRPC (agents dial in)."""
 
@@ -88,8 +92,17 @@ class ClientTransport(ABC):
     def publish(self, flat: torch.Tensor) -> tensor_pb2.BlobRef: ...
 
     @abstractmethod
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
-        """Run the tasks; return when all answered, at `timeout`, or once `quorum` results are in (the rest close)."""
+    def execute(
+        self,
+        tasks: list[federation_pb2.Task],
+        timeout: float,
+        quorum: int | None = None,
+        on_result: ResultSink | None = None,
+    ) -> PhaseOutcome:
+        """Run the tasks; return when all answered, at `timeout`, or once `quorum` results are in (the rest close).
+
+        `on_result` (streaming aggregation) is called once with every accepted result as it arrives, from any
+        thread, and has returned for all of them before `execute` returns; a result is accepted before it is passed."""
 
     def refused_after_close(self, round_number: int) -> tuple[int, int]:
         """(late, duplicate) results of this round refused after their task closed, not yet reported."""
@@ -108,6 +121,20 @@ class PrivacyGate(Protocol):
     ) -> float:
         """Record the round's events (`selected` drawn from `population` live candidates); the ε spent so far."""
         ...
+
+
+def _folding(folds: list[ResultFold]) -> ResultSink:
+    """A sink folding each result into the phase's folds, then dropping the folded tensors: the aggregator keeps an
+    accumulator per fold, not an update per client."""
+    kinds = {fold.kind for fold in folds}
+
+    def sink(result: ClientResult) -> None:
+        for fold in folds:
+            fold.add(result)
+        for kind in kinds:
+            result.payloads.pop(kind, None)
+
+    return sink
 
 
 class RunStopped(Exception):
@@ -163,6 +190,9 @@ class RoundEngine:
         self.completed_round = 0
         self.replay: tuple[int, list[int], int] | None = None  # (round, selected, population) authorised pre-crash
         self.failed_rounds = 0  # consecutive rounds below runtime.min_completion
+        # Streaming aggregation (strategies/fold.py) unless something needs the round's updates whole: client-level
+        # DP clips each one at aggregation, and Clustered Sampling / DivFL bank every client's last update.
+        self._streams = not (self.dp is not None and self.dp.client_level) and self.selection.bank is None
 
     def _status(self, state: int, message: str = "") -> None:
         status = control_pb2.RunStatus(
@@ -336,11 +366,15 @@ class RoundEngine:
                     self.dp.fill(task)
 
             tasks = self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill)
+            folds = self.strategy.folds(ctx, phase_index, plan) if self._streams else []
+            sink = _folding(folds) if folds else None
             if len(clients) > quorum:  # over-selected: the first k results close the phase
-                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s, quorum=quorum)
+                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s, quorum=quorum, on_result=sink)
                 selected = ctx.selected = [r.client_id for r in outcome.results]  # later phases: the first k
             else:
-                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s)
+                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s, on_result=sink)
+            if folds:
+                ctx.folds[phase_index] = folds
             if self.stop.is_set():
                 raise RunStopped("stopped on request")
             event.results_accepted += len(outcome.results)

@@ -24,7 +24,7 @@ import grpc
 import torch
 
 from aggregator_service.blobs import BlobStore
-from aggregator_service.engine import ClientTransport, PhaseOutcome
+from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from fairfl import __version__, codec, rpc, telemetry, tls
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
@@ -75,6 +75,9 @@ class _Batch:
     wanted: int  # results that close the phase (its quorum, or every task)
     results: dict[int, ClientResult] = field(default_factory=dict)
     rejected: int = 0
+    sink: ResultSink | None = None  # streaming aggregation: accepted results go here as they arrive
+    folding: int = 0  # accepted results inside `sink` right now (they count toward `wanted`)
+    error: BaseException | None = None  # a sink failure: the phase fails with it
 
 
 class FederationState:
@@ -298,7 +301,7 @@ class FederationState:
                 )
             # Closed while we were receiving, or its phase already has its quorum (the waiting phase has not woken
             # to close it yet): a phase never takes more than its first k results.
-            if batch is None or not open_now or len(batch.results) >= batch.wanted:
+            if batch is None or not open_now or len(batch.results) + batch.folding >= batch.wanted:
                 self.counters["late"] += 1
                 self.refused_after_close[(header.round, "late")] += 1
                 raise Rejected(
@@ -311,9 +314,25 @@ class FederationState:
             del batch.pending[header.task_id]
             del self.open_tasks[header.task_id]
             self._remember_closed(header.task_id, header.round, accepted=True)
-            batch.results[result.client_id] = result
             self.counters["accepted"] += 1
-            self.lock.notify_all()
+            if batch.sink is None:
+                batch.results[result.client_id] = result
+                self.lock.notify_all()
+                return
+            batch.folding += 1
+        # Folded outside the lock (a big update takes a while) but before the phase can close: execute() waits for
+        # `folding` to drain, so every accepted result is in the aggregate and none arrives after it was formed.
+        try:
+            batch.sink(result)
+        except Exception as err:  # not the client's fault (it was accepted): the phase fails with it
+            log.exception("folding the result of task %s failed", header.task_id)
+            batch.error = err
+        finally:
+            with self.lock:
+                batch.folding -= 1
+                if batch.error is None:
+                    batch.results[result.client_id] = result
+                self.lock.notify_all()
 
     def count_rejection(self, task_id: str) -> None:
         """Count a refused result for a still-open task with its phase (closed tasks are counted in accept)."""
@@ -370,9 +389,17 @@ class GrpcTransport(ClientTransport):
         assert self.state.layout is not None
         return self.state.blobs.put(self.state.layout, flat)
 
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
+    def execute(
+        self,
+        tasks: list[federation_pb2.Task],
+        timeout: float,
+        quorum: int | None = None,
+        on_result: ResultSink | None = None,
+    ) -> PhaseOutcome:
         state = self.state
-        batch = _Batch(pending={t.task_id: t for t in tasks}, wanted=len(tasks) if quorum is None else quorum)
+        batch = _Batch(
+            pending={t.task_id: t for t in tasks}, wanted=len(tasks) if quorum is None else quorum, sink=on_result
+        )
         deadline = time.monotonic() + timeout
         check_every = min(1.0, state.agent_timeout / 4)  # how soon a vanished agent's tasks close
         missing_owner: list[int] = []
@@ -386,7 +413,7 @@ class GrpcTransport(ClientTransport):
                 state.open_tasks[task.task_id] = batch
                 agent.queue.append(task)
             state.lock.notify_all()
-            while batch.pending and len(batch.results) < batch.wanted and not self.stop.is_set():
+            while batch.pending and len(batch.results) + batch.folding < batch.wanted and not self.stop.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -402,6 +429,10 @@ class GrpcTransport(ClientTransport):
                 state._remember_closed(task_id, batch.pending[task_id].round, accepted=False)
             for agent in state.agents.values():  # tasks nobody picked up are withdrawn
                 agent.queue = deque(t for t in agent.queue if t.task_id not in batch.pending)
+            while batch.folding:  # accepted results still being folded in: the aggregate must hold them all
+                state.lock.wait()
+            if batch.error is not None:
+                raise RuntimeError(f"streaming aggregation failed: {batch.error}") from batch.error
             results = [batch.results[c] for c in sorted(batch.results)]
         done = {r.client_id for r in results}
         missing = sorted({t.client_id for t in tasks} - done)

@@ -7,7 +7,7 @@ import threading
 import torch
 
 from aggregator_service.blobs import BlobStore
-from aggregator_service.engine import ClientTransport, PhaseOutcome
+from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
 from fairfl.codec import CodecError
 from fairfl.config import ExperimentConfig
@@ -52,7 +52,13 @@ class InProcessTransport(ClientTransport):
         assert self.layout is not None
         return self.blobs.put(self.layout, flat)
 
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
+    def execute(
+        self,
+        tasks: list[federation_pb2.Task],
+        timeout: float,
+        quorum: int | None = None,
+        on_result: ResultSink | None = None,
+    ) -> PhaseOutcome:
         assert self.runtime is not None
         results: list[ClientResult] = []
         rejected = 0
@@ -66,6 +72,8 @@ class InProcessTransport(ClientTransport):
             except CodecError:
                 rejected += 1
                 continue
+            if on_result is not None:
+                on_result(result)
             results.append(result)
         done = {r.client_id for r in results}
         return PhaseOutcome(results, [t.client_id for t in tasks if t.client_id not in done], rejected=rejected)

@@ -166,11 +166,17 @@ class InstrumentedTransport(ClientTransport):
         with timed("publish"):
             return self.inner.publish(flat)
 
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> PhaseOutcome:
+    def execute(
+        self,
+        tasks: list[federation_pb2.Task],
+        timeout: float,
+        quorum: int | None = None,
+        on_result: Callable[[ClientResult], None] | None = None,
+    ) -> PhaseOutcome:
         phase = phase_name(tasks[0].phase) if tasks else "other"
         t.TASKS_SENT.labels(phase).inc(len(tasks))
         with timed(phase):
-            outcome = self.inner.execute(tasks, timeout, quorum)
+            outcome = self.inner.execute(tasks, timeout, quorum, on_result)
         t.TASKS_UNANSWERED.labels(phase).inc(len(outcome.missing))
         return outcome
 
@@ -220,6 +226,9 @@ class TimedStrategy(Strategy):
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> Any:
         return self.inner.configure(ctx, phase_index, prior)
+
+    def folds(self, ctx: RoundContext, phase_index: int, plan: Any) -> Any:
+        return self.inner.folds(ctx, phase_index, plan)
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
         with timed("aggregate"):

@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from aggregator_service.strategies.fold import ResultFold
+from fairfl.protocol import TRAIN, ClientResult
 from fairfl.v1 import clustering_pb2, federation_pb2, tensor_pb2
 
 
@@ -32,6 +33,9 @@ class RoundContext:
     true_groups: dict[int, int] | None = None  # ground-truth group per client id (grouped partitions), else None
     # The clustering service's Cluster call (gRPC, or the same code in-process); None when the engine has none.
     cluster: Callable[[clustering_pb2.ClusterRequest], clustering_pb2.ClusterReply] | None = None
+    # Streaming aggregation: the folds the engine fed each phase's results into as they arrived (by phase index); a
+    # phase without an entry kept its results whole (see Strategy.folds and phase_folds).
+    folds: dict[int, list[ResultFold]] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +75,13 @@ class Strategy(ABC):
             return PhasePlan(phase=TRAIN, train=ctx.train_config)
         return None
 
+    def folds(self, ctx: RoundContext, phase_index: int, plan: PhasePlan) -> list[ResultFold]:
+        """Folds that take phase `phase_index`'s results as they arrive, so the aggregator holds one accumulator
+        instead of every client's tensors (streaming aggregation, aggregator_service/strategies/fold.py). [] (the
+        default) keeps the results whole for `aggregate`: strategies whose weights need every update at once."""
+        del ctx, phase_index, plan
+        return []
+
     @abstractmethod
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
         """New global parameters from the results of every phase (each list sorted by client id)."""
@@ -91,12 +102,31 @@ def weighted_sum(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     return out
 
 
+def train_phase(phases: Sequence[list[ClientResult]]) -> int:
+    """Index of the last training phase (-1 if none)."""
+    for index in range(len(phases) - 1, -1, -1):
+        if phases[index] and phases[index][0].phase == TRAIN:
+            return index
+    return -1
+
+
 def train_results(phases: Sequence[list[ClientResult]]) -> list[ClientResult]:
-    """The results of the last training phase, with an UPDATE each."""
-    for results in reversed(phases):
-        if results and results[0].phase == TRAIN:
-            return [r for r in results if UPDATE in r.payloads]
-    return []
+    """The results of the last training phase (their UPDATE may have been folded away already: see phase_folds)."""
+    index = train_phase(phases)
+    return list(phases[index]) if index >= 0 else []
+
+
+def phase_folds(
+    ctx: RoundContext, phases: Sequence[list[ClientResult]], index: int, make: Callable[[], list[ResultFold]]
+) -> list[ResultFold]:
+    """The folds of phase `index`: those the engine streamed its results into, or `make()` filled now from the kept
+    results. The sums are order-independent, so both give the same bits."""
+    folds = ctx.folds.get(index)
+    if folds is None:
+        folds = make()
+        for fold in folds:
+            fold.fill(phases[index])
+    return folds
 
 
 def params_from_dict(cls: type, raw: dict[str, Any], path: str) -> Any:

@@ -8,9 +8,17 @@ from typing import Any
 
 import torch
 
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
+from aggregator_service.strategies.base import (
+    AggregateOutcome,
+    PhasePlan,
+    RoundContext,
+    Strategy,
+    phase_folds,
+    train_phase,
+)
 from aggregator_service.strategies.fedfair import loss_metrics
-from fairfl.protocol import UPDATE, ClientResult
+from aggregator_service.strategies.fold import ResultFold, sample_weighted
+from fairfl.protocol import TRAIN, ClientResult
 
 
 @dataclass
@@ -32,11 +40,16 @@ class FedAvg(Strategy):
         super().__init__(params, server_lr)
         self.velocity: torch.Tensor | None = None
 
+    def folds(self, ctx: RoundContext, phase_index: int, plan: PhasePlan) -> list[ResultFold]:
+        return [sample_weighted(ctx.params.numel())] if plan.phase == TRAIN else []
+
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
-        results = train_results(phases)
-        total = sum(r.num_samples for r in results)
-        weights = [r.num_samples / total for r in results]
-        delta = weighted_sum([r.payloads[UPDATE] for r in results], weights)
+        index = train_phase(phases)
+        results = phases[index]
+        (fold,) = phase_folds(ctx, phases, index, lambda: [sample_weighted(ctx.params.numel())])
+        delta = fold.sum.weighted_mean()  # Σ n_i Δ_i / Σ n_i
+        by_client = fold.weights_by_client()
+        weights = [by_client[r.client_id] for r in results]
         if self.params.server_momentum > 0:
             if self.velocity is None:
                 self.velocity = torch.zeros_like(delta)
@@ -44,7 +57,7 @@ class FedAvg(Strategy):
             delta = self.velocity
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,
-            weights={r.client_id: w for r, w in zip(results, weights, strict=True)},
+            weights=by_client,
             metrics=loss_metrics(results, weights),  # Ψ telemetry, as every baseline reports it
         )
 

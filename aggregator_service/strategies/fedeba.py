@@ -19,7 +19,7 @@ x_{t+1} = x_t + η·Δ_t.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,9 +29,12 @@ from aggregator_service.strategies.base import (
     PhasePlan,
     RoundContext,
     Strategy,
+    phase_folds,
+    train_phase,
     train_results,
     weighted_sum,
 )
+from aggregator_service.strategies.fold import ResultFold, sample_weighted, softmax_weighted
 from fairfl.metrics.fairness import loss_angle_degrees, weight_entropy
 from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2
@@ -122,7 +125,10 @@ def _losses(results: Sequence[ClientResult], attribute: str) -> np.ndarray:
 
 
 class FedEBA(Strategy):
-    """EBA aggregation alone (α = 0): p = softmax(F_i(x_{t,K})/τ) over the round's clients."""
+    """EBA aggregation alone (α = 0): p = softmax(F_i(x_{t,K})/τ) over the round's clients.
+
+    Streamed (strategies/fold.py) with a running log-sum-exp, except under V002's τ clamp, whose τ_eff depends on the
+    spread of every loss of the round: then the results are kept and folded once all are in (the same sums)."""
 
     name = "fedeba"
     Params = FedEBAParams
@@ -131,13 +137,56 @@ class FedEBA(Strategy):
         prior = [r.num_samples for r in results] if self.params.use_prior else None
         return eba_weights(_losses(results, attribute), self.params.tau, prior, self.params.clamp_eps)
 
+    def _tau_eff(self, results: Sequence[ClientResult], attribute: str) -> float:
+        return self.params.tau if self.params.clamp_eps == 0 else self._eba(results, attribute)[1]
+
+    def _eba_fold(self, ctx: RoundContext, kind: int, attribute: str, tau: float) -> ResultFold:
+        """p_i ∝ exp(F_i/τ)·n_i^[use_prior] over payload `kind` (the prior's Σn cancels in the normalisation)."""
+        use_prior = self.params.use_prior
+
+        def log_weight(result: ClientResult) -> float:
+            loss = getattr(result, attribute)
+            if not math.isfinite(loss):
+                raise ValueError(f"client {result.client_id}: {attribute} is {loss}; EBA weights need every loss")
+            return loss / tau + (math.log(result.num_samples) if use_prior else 0.0)
+
+        return softmax_weighted(ctx.params.numel(), kind, log_weight)
+
+    def _train_folds(self, ctx: RoundContext, tau: float, first_step: bool) -> list[ResultFold]:
+        """EBA over the updates; with model alignment also Σ (n_i/Σn)·(x_{t,1} − x_t)."""
+        folds = [self._eba_fold(ctx, UPDATE, "loss_after", tau)]
+        if first_step:
+            folds.append(sample_weighted(ctx.params.numel(), FIRST_STEP_UPDATE))
+        return folds
+
+    def _folded(
+        self,
+        ctx: RoundContext,
+        phases: Sequence[list[ClientResult]],
+        index: int,
+        attribute: str,
+        make: Callable[[float], list[ResultFold]],
+    ) -> tuple[list[ResultFold], float]:
+        """The folds of phase `index` (streamed, or built now by `make(τ_eff)`) and the τ they used."""
+        tau = self._tau_eff(phases[index], attribute)
+        return phase_folds(ctx, phases, index, lambda: make(tau)), tau
+
+    def folds(self, ctx: RoundContext, phase_index: int, plan: PhasePlan) -> list[ResultFold]:
+        if plan.phase != TRAIN or self.params.clamp_eps != 0:
+            return []
+        return self._train_folds(ctx, self.params.tau, first_step=False)
+
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
-        results = train_results(phases)
-        p, tau_eff = self._eba(results, "loss_after")
-        delta = weighted_sum([r.payloads[UPDATE] for r in results], p)
+        index = train_phase(phases)
+        results = phases[index]
+        (fold,), tau_eff = self._folded(
+            ctx, phases, index, "loss_after", lambda tau: self._train_folds(ctx, tau, first_step=False)
+        )
+        by_client = fold.weights_by_client()
+        p = [by_client[r.client_id] for r in results]
         return AggregateOutcome(
-            params=ctx.params + self.server_lr * delta,
-            weights={r.client_id: float(w) for r, w in zip(results, p, strict=True)},
+            params=ctx.params + self.server_lr * fold.sum.weighted_mean(),
+            weights=by_client,
             metrics={"tau_eff": tau_eff, "weight_entropy": weight_entropy(p)},
         )
 
@@ -163,14 +212,28 @@ class FedEBAPlus(FedEBA):
             loss_eval_batches=ctx.train_config.loss_eval_batches,
         )
 
-    def _gradient_aligned_train(self, ctx: RoundContext, probe: list[ClientResult]) -> PhasePlan:
-        p_tilde, _ = self._eba(probe, "loss_before")
+    def _gradient_aligned_train(
+        self, ctx: RoundContext, phases: Sequence[list[ClientResult]], probe_index: int
+    ) -> PhasePlan:
+        """g̃ = Σ p̃_i ∇F_i(x_t) with p̃ = softmax(F_i(x_t)/τ), from the probe's gradients (streamed or kept)."""
+        (fold,), _ = self._folded(
+            ctx, phases, probe_index, "loss_before", lambda tau: [self._eba_fold(ctx, GRADIENT, "loss_before", tau)]
+        )
         scale = ctx.train_config.lr if self.params.fair_gradient == "one_step_update" else 1.0
-        fair_grad = weighted_sum([r.payloads[GRADIENT] for r in probe], scale * p_tilde)
         cfg = self._train(ctx)
-        cfg.alignment.fair_gradient.CopyFrom(ctx.publish(fair_grad))
+        cfg.alignment.fair_gradient.CopyFrom(ctx.publish(fold.sum.weighted_mean(scale)))
         cfg.alignment.alpha = self.params.alpha
-        return PhasePlan(phase=TRAIN, train=cfg, clients=[r.client_id for r in probe])
+        return PhasePlan(phase=TRAIN, train=cfg, clients=[r.client_id for r in phases[probe_index]])
+
+    def folds(self, ctx: RoundContext, phase_index: int, plan: PhasePlan) -> list[ResultFold]:
+        if self.params.clamp_eps != 0:
+            return []
+        if plan.phase == PROBE and plan.probe is not None and plan.probe.want_gradient:
+            return [self._eba_fold(ctx, GRADIENT, "loss_before", self.params.tau)]
+        if plan.phase != TRAIN:
+            return []
+        first_step = plan.train is not None and plan.train.record_first_step  # model alignment
+        return self._train_folds(ctx, self.params.tau, first_step)
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:
         mode = self.params.mode
@@ -179,7 +242,7 @@ class FedEBAPlus(FedEBA):
         if mode == "gradient":
             if phase_index == 0:
                 return PhasePlan(phase=PROBE, probe=self._probe(ctx, want_gradient=True))
-            return self._gradient_aligned_train(ctx, prior[0]) if phase_index == 1 else None
+            return self._gradient_aligned_train(ctx, prior, 0) if phase_index == 1 else None
         # adaptive (V000 Alg. 1): losses first, then the gradient only when the round looks unfair
         if phase_index == 0:
             return PhasePlan(phase=PROBE, probe=self._probe(ctx, want_gradient=False))
@@ -189,28 +252,32 @@ class FedEBAPlus(FedEBA):
                 return PhasePlan(phase=PROBE, probe=self._probe(ctx, want_gradient=True), clients=responders)
             return PhasePlan(phase=TRAIN, train=self._train(ctx, record_first_step=True), clients=responders)
         if phase_index == 2 and prior[-1][0].phase == PROBE:
-            return self._gradient_aligned_train(ctx, prior[-1])
+            return self._gradient_aligned_train(ctx, prior, len(prior) - 1)
         return None
 
     def _unfair(self, results: Sequence[ClientResult]) -> bool:
         return loss_angle_degrees(_losses(results, "loss_before")) > self.params.theta_degrees
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
-        results = train_results(phases)
-        p, tau_eff = self._eba(results, "loss_after")
-        updates = [r.payloads[UPDATE] for r in results]
-        aligned = FIRST_STEP_UPDATE not in results[0].payloads
+        index = train_phase(phases)
+        results = phases[index]
+        # Model alignment trains after a loss-only probe (adaptive) or none (model); gradient alignment after a
+        # gradient probe, whose clients already stepped along h.
+        aligned = index > 0 and not _loss_only_probe(self.params, index)
+        folds, tau_eff = self._folded(
+            ctx, phases, index, "loss_after", lambda tau: self._train_folds(ctx, tau, first_step=not aligned)
+        )
+        by_client = folds[0].weights_by_client()
+        p = np.array([by_client[r.client_id] for r in results])
         if aligned:  # alignment already happened in the clients' steps
-            delta = weighted_sum(updates, p)
+            delta = folds[0].sum.weighted_mean()
         else:
-            delta = weighted_sum(updates, (1 - self.params.alpha) * p)
-            first_steps = [r.payloads[FIRST_STEP_UPDATE] for r in results]
-            sizes = np.array([r.num_samples for r in results], dtype=np.float64)
             scale = _local_steps(results) if self.params.model_align_scale_by_k else 1.0
-            delta = delta + weighted_sum(first_steps, self.params.alpha * scale * sizes / sizes.sum())
+            alpha = self.params.alpha
+            delta = folds[0].sum.weighted_mean(1 - alpha) + folds[1].sum.weighted_mean(alpha * scale)
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,
-            weights={r.client_id: float(w) for r, w in zip(results, p, strict=True)},
+            weights=by_client,
             metrics={
                 "tau_eff": tau_eff,
                 "weight_entropy": weight_entropy(p),
@@ -218,6 +285,11 @@ class FedEBAPlus(FedEBA):
                 "loss_angle_deg": loss_angle_degrees(_losses(results, "loss_before")),
             },
         )
+
+
+def _loss_only_probe(params: FedEBAPlusParams, train_index: int) -> bool:
+    """Adaptive mode's first probe asks for losses only; a train phase right after it is model alignment."""
+    return params.mode == "adaptive" and train_index == 1
 
 
 def _local_steps(results: Sequence[ClientResult]) -> float:

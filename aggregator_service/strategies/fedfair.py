@@ -29,11 +29,12 @@ from aggregator_service.strategies.base import (
     PhasePlan,
     RoundContext,
     Strategy,
-    train_results,
-    weighted_sum,
+    phase_folds,
+    train_phase,
 )
+from aggregator_service.strategies.fold import ResultFold, sample_weighted
 from fairfl.metrics.fairness import psi, weight_entropy
-from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.protocol import TRAIN, ClientResult
 from fairfl.v1 import federation_pb2
 
 
@@ -92,12 +93,17 @@ class FedFair(Strategy):
             cfg.dp.fair_lambda = self.params.fair_lambda
         return PhasePlan(phase=TRAIN, train=cfg)
 
+    def folds(self, ctx: RoundContext, phase_index: int, plan: PhasePlan) -> list[ResultFold]:
+        return [sample_weighted(ctx.params.numel())] if plan.phase == TRAIN else []
+
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
-        results = train_results(phases)
+        index = train_phase(phases)
+        results = phases[index]
         # Alg. 1 line 7: the same arithmetic as FedAvg, so λ = 0 reproduces FedAvg bit for bit.
-        total = sum(r.num_samples for r in results)
-        weights = [r.num_samples / total for r in results]
-        delta = weighted_sum([r.payloads[UPDATE] for r in results], weights)
+        (fold,) = phase_folds(ctx, phases, index, lambda: [sample_weighted(ctx.params.numel())])
+        delta = fold.sum.weighted_mean()
+        by_client = fold.weights_by_client()
+        weights = [by_client[r.client_id] for r in results]
         metrics = loss_metrics(results, weights)
         if ctx.train_config.HasField("dp"):
             # FedFDP Alg. 2 line 8: F(w_{t+1}) = Σ p_i F̃_i, the clients' noisy losses (post-processing of DP
@@ -113,7 +119,7 @@ class FedFair(Strategy):
         metrics["global_loss"] = self.global_loss
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,
-            weights={r.client_id: w for r, w in zip(results, weights, strict=True)},
+            weights=by_client,
             metrics=metrics,
         )
 

@@ -12,11 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
+from aggregator_service.strategies.base import (
+    AggregateOutcome,
+    PhasePlan,
+    RoundContext,
+    Strategy,
+    phase_folds,
+    train_phase,
+)
 from aggregator_service.strategies.fedfair import loss_metrics, require_finite
-from fairfl.protocol import UPDATE, ClientResult
+from aggregator_service.strategies.fold import ResultFold, softmax_weighted
+from fairfl.protocol import TRAIN, UPDATE, ClientResult
 
 
 @dataclass
@@ -27,24 +33,26 @@ class TERMParams:
         require_finite(path, tilt=self.tilt)
 
 
-def tilted_weights(losses: np.ndarray, tilt: float) -> np.ndarray:
-    """softmax(t·F) in float64, shifted by the maximum so large |t·F| cannot overflow."""
-    z = tilt * losses
-    e = np.exp(z - z.max())
-    return e / e.sum()
-
-
 class TERM(Strategy):
     name = "term"
     Params = TERMParams
 
+    def _tilted(self, ctx: RoundContext) -> ResultFold:
+        """softmax(t·F_i(x_t)) over the updates, streamed with a running log-sum-exp (strategies/fold.py)."""
+        tilt = self.params.tilt
+        return softmax_weighted(ctx.params.numel(), UPDATE, lambda result: tilt * result.loss_before)
+
+    def folds(self, ctx: RoundContext, phase_index: int, plan: PhasePlan) -> list[ResultFold]:
+        return [self._tilted(ctx)] if plan.phase == TRAIN else []
+
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
-        results = train_results(phases)
-        losses = np.array([r.loss_before for r in results], dtype=np.float64)
-        weights = tilted_weights(losses, self.params.tilt).tolist()
-        step = weighted_sum([r.payloads[UPDATE] for r in results], weights)
+        index = train_phase(phases)
+        results = phases[index]
+        (fold,) = phase_folds(ctx, phases, index, lambda: [self._tilted(ctx)])
+        by_client = fold.weights_by_client()
+        weights = [by_client[r.client_id] for r in results]
         return AggregateOutcome(
-            params=ctx.params + self.server_lr * step,
-            weights={r.client_id: w for r, w in zip(results, weights, strict=True)},
+            params=ctx.params + self.server_lr * fold.sum.weighted_mean(),
+            weights=by_client,
             metrics=loss_metrics(results, weights),
         )

@@ -75,10 +75,10 @@ def _crash_in_round(engine: RoundEngine, round_number: int) -> None:
     """Kill the run while `round_number`'s first phase is out, i.e. after its privacy authorisation."""
     execute = engine.transport.execute
 
-    def dying(tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> Any:
+    def dying(tasks: list[federation_pb2.Task], timeout: float, *args: Any, **kwargs: Any) -> Any:
         if tasks and tasks[0].round == round_number:
             raise Crash()
-        return execute(tasks, timeout, quorum)
+        return execute(tasks, timeout, *args, **kwargs)
 
     engine.transport.execute = dying  # type: ignore[method-assign]
 
@@ -281,8 +281,8 @@ class _Dropping(InProcessTransport):
         super().__init__()
         self.silent = silent
 
-    def execute(self, tasks: list[federation_pb2.Task], timeout: float, quorum: int | None = None) -> Any:
-        return super().execute([t for t in tasks if t.client_id not in self.silent], timeout, quorum)
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float, *args: Any, **kwargs: Any) -> Any:
+        return super().execute([t for t in tasks if t.client_id not in self.silent], timeout, *args, **kwargs)
 
 
 def test_too_few_results_keep_the_model_and_stop_the_run_after_max_failed_rounds() -> None:

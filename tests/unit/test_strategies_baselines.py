@@ -430,7 +430,8 @@ def test_term_weights_by_hand() -> None:
     out = aggregate(strategy("term", tilt=0.8), context(X0, [0, 1, 2]), THREE)
     e = [math.exp(0.8 * f) for f in (0.4, 1.2, 2.5)]
     want = {i: v / sum(e) for i, v in enumerate(e)}
-    assert out.weights == pytest.approx(want, rel=1e-12)
+    # Streaming aggregation rounds each weight's mantissa to float32 (exact products, strategies/fold.py).
+    assert out.weights == pytest.approx(want, rel=2**-23)
     expected = torch.tensor(X0).double() + sum(want[i] * THREE[i].payloads[UPDATE].double() for i in range(3))
     assert torch.allclose(out.params.double(), expected, atol=1e-7)
     assert out.metrics["weight_entropy"] == pytest.approx(-sum(w * math.log(w) for w in want.values()))

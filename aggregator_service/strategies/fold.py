@@ -1,0 +1,212 @@
+"""Streaming aggregation: client vectors folded into a weighted sum as they arrive, in any order, to the same bits.
+
+The aggregator never needs a round's updates side by side: each is added to a running sum and dropped, so memory
+is one accumulator per sum whatever the number of clients per round. Arrival order over gRPC is a race, so the sum
+must not depend on it, or a run would stop being reproducible (and stop matching the in-process oracle bit for bit):
+
+- every weight is a float32 mantissa times a power of two (`Weight`), so weight × float32 coordinate is exact in
+  float64 (24 + 24 significant bits);
+- the exact products are summed in double-double (hi + lo, Knuth's TwoSum per coordinate), whose rounding error
+  (~2^-100 of the terms) is far below a float32 ulp, so any order rounds to the same float32 result;
+- softmax weights exp(s_i) keep a running maximum exponent (a running log-sum-exp): when a larger one arrives the
+  accumulator is rescaled by a power of two, which is exact, so no exp() ever overflows and no order is favoured.
+
+The work is blocked (BLOCK coordinates at a time) so temporaries stay in cache and memory stays at the accumulator.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fairfl.protocol import UPDATE, ClientResult
+
+BLOCK = 1 << 18  # coordinates per block: 2 MiB of float64 temporaries, inside L2/L3
+FOLD_THREADS = max(1, min(4, os.cpu_count() or 1))
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(FOLD_THREADS, thread_name_prefix="fold")
+        return _POOL
+
+
+def _split(numel: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous ranges cut at BLOCK boundaries."""
+    blocks = -(-numel // BLOCK)
+    edges = [min(numel, (blocks * i // parts) * BLOCK) for i in range(parts + 1)]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a] or [(0, numel)]
+
+
+_LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """mantissa · 2**exponent with a float32-representable mantissa (exactness of the products needs it)."""
+
+    mantissa: float
+    exponent: int
+
+    @classmethod
+    def linear(cls, value: float) -> Weight:
+        """A weight given directly (sample counts, q-FFL's L·F^q); rounded to float32's 24 significant bits."""
+        if not math.isfinite(value):
+            raise ValueError(f"aggregation weight must be finite, got {value}")
+        mantissa, exponent = math.frexp(float(np.float32(value)))
+        return cls(mantissa, exponent)
+
+    @classmethod
+    def exp(cls, log_value: float) -> Weight:
+        """exp(log_value) without overflow (softmax weights): 2**e · exp(log_value − e·ln 2), the latter in [1, 2)."""
+        if not math.isfinite(log_value):
+            raise ValueError(f"aggregation log-weight must be finite, got {log_value}")
+        exponent = math.floor(log_value / _LN2)
+        mantissa, extra = math.frexp(float(np.float32(math.exp(log_value - exponent * _LN2))))
+        return cls(mantissa, exponent + extra)
+
+    def scaled(self, reference: int) -> float:
+        """The weight divided by 2**reference, as a float (exact unless it underflows to negligible)."""
+        return math.ldexp(self.mantissa, self.exponent - reference)
+
+
+class ExactSum:
+    """Σ_i w_i·v_i over flat float32 vectors of one size, independent of the order of the terms; thread-safe."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.hi = torch.zeros(numel, dtype=torch.float64)
+        self.lo = torch.zeros(numel, dtype=torch.float64)
+        self.reference: int | None = None  # hi + lo hold the sum divided by 2**reference (the largest exponent)
+        self.weights: list[Weight] = []
+        self.keys: list[int] = []  # who each weight belongs to (client ids), in arrival order
+        self._lock = threading.Lock()
+        # Big vectors are folded by FOLD_THREADS workers on disjoint ranges (torch kernels release the GIL).
+        self._ranges = _split(numel, FOLD_THREADS if numel >= 4 * BLOCK else 1)
+        self._scratch = [
+            [torch.empty(min(BLOCK, max(end - start, 1)), dtype=torch.float64) for _ in range(3)]
+            for start, end in self._ranges
+        ]
+
+    def add(self, vector: torch.Tensor, weight: Weight, key: int = -1) -> None:
+        if vector.dtype != torch.float32 or vector.dim() != 1 or vector.numel() != self.numel:
+            raise ValueError(
+                f"expected a flat float32 vector of {self.numel} values, got {vector.dtype} {list(vector.shape)}"
+            )
+        with self._lock:
+            self.weights.append(weight)
+            self.keys.append(key)
+            if weight.mantissa == 0.0:
+                return
+            if self.reference is None:
+                self.reference = weight.exponent
+            elif weight.exponent > self.reference:  # running log-sum-exp: rescale by a power of two (exact)
+                shrink = math.ldexp(1.0, self.reference - weight.exponent)
+                self.hi.mul_(shrink)
+                self.lo.mul_(shrink)
+                self.reference = weight.exponent
+            factor = weight.scaled(self.reference)
+            if len(self._ranges) == 1:
+                self._fold(vector, factor, 0)
+            else:
+                list(_pool().map(lambda i: self._fold(vector, factor, i), range(len(self._ranges))))
+
+    def _fold(self, vector: torch.Tensor, factor: float, part: int) -> None:
+        product, total, carry = self._scratch[part]
+        first, last = self._ranges[part]
+        for start in range(first, last, BLOCK):
+            end = min(start + BLOCK, last)
+            n = end - start
+            hi, lo = self.hi[start:end], self.lo[start:end]
+            p, s, z = product[:n], total[:n], carry[:n]
+            p.copy_(vector[start:end])  # to float64 first: the product must not round in float32
+            p.mul_(factor)  # exact: 24-bit mantissa × 24-bit coordinate
+            torch.add(hi, p, out=s)  # TwoSum(hi, p): s + error == hi + p exactly
+            torch.sub(s, hi, out=z)
+            p.sub_(z)  # p − (s − hi)
+            torch.sub(s, z, out=z)
+            hi.sub_(z)  # hi − (s − (s − hi))
+            lo.add_(hi).add_(p)  # the rounding error of s joins the low word
+            hi.copy_(s)
+
+    def total_weight(self) -> float:
+        """Σ w_i / 2**reference, correctly rounded (math.fsum), so also order-independent."""
+        if self.reference is None:
+            return 0.0
+        return math.fsum(w.scaled(self.reference) for w in self.weights)
+
+    def scaled_sum(self, scale: float) -> torch.Tensor:
+        """float32(Σ w_i v_i / 2**reference · scale)."""
+        with self._lock:
+            return ((self.hi + self.lo) * scale).to(torch.float32)
+
+    def weighted_mean(self, scale: float = 1.0) -> torch.Tensor:
+        """scale · Σ w_i v_i / Σ w_i as float32 (zeros when every weight is zero)."""
+        total = self.total_weight()
+        if total == 0.0:
+            return torch.zeros(self.numel, dtype=torch.float32)
+        return self.scaled_sum(scale / total)
+
+    def weighted_total(self, scale: float = 1.0) -> torch.Tensor:
+        """Σ w_i v_i · scale as float32."""
+        if self.reference is None:
+            return torch.zeros(self.numel, dtype=torch.float32)
+        return self.scaled_sum(math.ldexp(scale, self.reference))
+
+    def normalized_weights(self) -> dict[int, float]:
+        """w_i / Σ w by key."""
+        total = self.total_weight()
+        return {
+            key: w.scaled(self.reference or 0) / total if total else 0.0
+            for key, w in zip(self.keys, self.weights, strict=True)
+        }
+
+
+WeightOf = Callable[[ClientResult, torch.Tensor], Weight]
+
+
+class ResultFold:
+    """Payload `kind` of each result of a phase into an ExactSum with the weight `weight_of(result, vector)`.
+
+    Streamed, the engine drops the payload once every fold of the phase has it (the rest of the result, losses and
+    metrics, stays for the strategy to normalise with); buffered, `fill` folds the kept results the same way."""
+
+    def __init__(self, numel: int, kind: int, weight_of: WeightOf) -> None:
+        self.kind = kind
+        self.weight_of = weight_of
+        self.sum = ExactSum(numel)
+
+    def add(self, result: ClientResult) -> None:
+        vector = result.payloads[self.kind]
+        weight = self.weight_of(result, vector)  # before anything is added: a bad weight leaves the sum untouched
+        self.sum.add(vector, weight, result.client_id)
+
+    def fill(self, results: Iterable[ClientResult]) -> ResultFold:
+        for result in results:
+            self.add(result)
+        return self
+
+    def weights_by_client(self) -> dict[int, float]:
+        return self.sum.normalized_weights()
+
+
+def sample_weighted(numel: int, kind: int = UPDATE) -> ResultFold:
+    """FedAvg's p_i = n_i / Σ n: each client's payload `kind` weighted by its sample count."""
+    return ResultFold(numel, kind, lambda result, _: Weight.linear(result.num_samples))
+
+
+def softmax_weighted(numel: int, kind: int, log_weight: Callable[[ClientResult], float]) -> ResultFold:
+    """p_i ∝ exp(log_weight(result)) (EBA, TERM), normalised at the end: a running log-sum-exp, see ExactSum."""
+    return ResultFold(numel, kind, lambda result, _: Weight.exp(log_weight(result)))

@@ -1,0 +1,172 @@
+"""Streaming aggregation (aggregator_service/strategies/fold.py): order-independent exact sums, running log-sum-exp,
+thread safety, and the engine streaming to the same bits as a buffered round."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator_service.engine import RoundEngine
+from aggregator_service.inprocess import InProcessTransport
+from aggregator_service.peers import LocalPrivacy, LocalSelector
+from aggregator_service.strategies.fold import ExactSum, ResultFold, Weight
+from fairfl.config import experiment_from_dict
+from fairfl.protocol import UPDATE, ClientResult
+from fairfl.v1 import control_pb2, federation_pb2
+
+
+def _vectors(count: int, numel: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # Mixed magnitudes (1e-6 .. 1e3) make float32 summation visibly order-dependent.
+    scales = torch.logspace(-6, 3, count)
+    return [torch.randn(numel, generator=gen) * scales[i] for i in range(count)]
+
+
+def _sum(vectors: list[torch.Tensor], weights: list[Weight], order: list[int]) -> ExactSum:
+    total = ExactSum(vectors[0].numel())
+    for i in order:
+        total.add(vectors[i], weights[i], key=i)
+    return total
+
+
+def test_sum_is_bit_identical_in_every_order_and_matches_exact_arithmetic() -> None:
+    numel = 300_000  # more than one BLOCK
+    vectors = _vectors(24, numel, seed=1)
+    rng = random.Random(0)
+    weights = [Weight.linear(rng.uniform(1, 5000)) for _ in vectors]
+    orders = [list(range(24))] + [rng.sample(range(24), 24) for _ in range(4)]
+    means = [_sum(vectors, weights, order).weighted_mean() for order in orders]
+    for mean in means[1:]:
+        assert torch.equal(mean, means[0])
+    # The plain float32 fold of the same terms does depend on the order (which is why ExactSum exists).
+    naive = [sum((vectors[i] * float(weights[i].scaled(0)) for i in order), torch.zeros(numel)) for order in orders]
+    assert any(not torch.equal(n, naive[0]) for n in naive[1:])
+    # Against correctly rounded arithmetic on a sample of coordinates: Σ w_i v_i with math.fsum of the exact products.
+    total = math.fsum(w.scaled(0) for w in weights)
+    for j in range(0, numel, 9973):
+        exact = math.fsum(w.scaled(0) * float(v[j]) for w, v in zip(weights, vectors, strict=True)) / total
+        assert float(means[0][j]) == pytest.approx(exact, rel=2**-23, abs=1e-30)
+
+
+def test_softmax_weights_use_a_running_log_sum_exp_without_overflow() -> None:
+    vectors = _vectors(5, 1000, seed=2)
+    logs = [900.0, -900.0, 905.5, 0.0, 904.0]  # exp() of these overflows / underflows in float64
+    weights = [Weight.exp(x) for x in logs]
+    a = _sum(vectors, weights, [1, 3, 0, 2, 4])
+    b = _sum(vectors, weights, [2, 4, 0, 1, 3])  # the largest first: no rescale at all
+    assert torch.equal(a.weighted_mean(), b.weighted_mean())
+    p = np.exp(np.array(logs) - max(logs))
+    p /= p.sum()
+    want = sum(float(pi) * v.double() for pi, v in zip(p, vectors, strict=True))
+    assert torch.allclose(a.weighted_mean().double(), want, rtol=1e-6, atol=1e-9)
+    assert a.normalized_weights() == pytest.approx(dict(enumerate(p)), rel=2**-22, abs=1e-300)
+
+
+def test_weights_round_to_float32_mantissas() -> None:
+    for value in (1.0, 3.0, 600.0, 0.1, 12345.678, 2.0**-40):
+        w = Weight.linear(value)
+        assert w.scaled(0) == float(np.float32(value))
+        assert float(np.float32(w.mantissa)) == w.mantissa
+    for log_value in (-50.0, 0.0, 0.3, 700.0):
+        w = Weight.exp(log_value)
+        assert float(np.float32(w.mantissa)) == w.mantissa
+        assert math.log(w.mantissa) + w.exponent * math.log(2) == pytest.approx(log_value, abs=1e-7)
+    with pytest.raises(ValueError, match="finite"):
+        Weight.linear(float("nan"))
+    with pytest.raises(ValueError, match="finite"):
+        Weight.exp(float("inf"))
+
+
+def test_concurrent_adds_give_the_sequential_bits() -> None:
+    vectors = _vectors(16, 50_000, seed=3)
+    weights = [Weight.linear(i + 1) for i in range(16)]
+    sequential = _sum(vectors, weights, list(range(16))).weighted_mean()
+    shared = ExactSum(50_000)
+    threads = [threading.Thread(target=lambda i=i: shared.add(vectors[i], weights[i], key=i)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(shared.weighted_mean(), sequential)
+    assert sorted(shared.normalized_weights()) == list(range(16))
+
+
+def test_a_bad_vector_or_weight_leaves_the_sum_untouched() -> None:
+    total = ExactSum(10)
+    total.add(torch.ones(10), Weight.linear(2.0), key=0)
+    before = total.weighted_mean().clone()
+    with pytest.raises(ValueError, match="flat float32 vector of 10"):
+        total.add(torch.ones(11), Weight.linear(1.0), key=1)
+    fold = ResultFold(10, UPDATE, lambda result, _: Weight.exp(result.loss_after))
+    result = ClientResult("t", "r", 1, 5, federation_pb2.PHASE_TRAIN, 3, loss_after=float("nan"))
+    result.payloads[UPDATE] = torch.ones(10)
+    with pytest.raises(ValueError, match="finite"):
+        fold.add(result)
+    assert fold.sum.reference is None and not fold.sum.weights
+    assert torch.equal(total.weighted_mean(), before) and list(total.normalized_weights()) == [0]
+
+
+class _Recording(InProcessTransport):
+    """Records whether the engine streamed each phase, and what the results held when the phase closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streamed: list[bool] = []
+        self.payload_kinds: list[set[int]] = []
+
+    def execute(self, tasks: list[federation_pb2.Task], timeout: float, *args: Any, **kwargs: Any) -> Any:
+        outcome = super().execute(tasks, timeout, *args, **kwargs)
+        if tasks and tasks[0].phase == federation_pb2.PHASE_TRAIN:
+            self.streamed.append(kwargs.get("on_result") is not None)
+            self.payload_kinds.extend(set(r.payloads) for r in outcome.results)
+        return outcome
+
+
+def _config(strategy: dict[str, Any]) -> Any:
+    return experiment_from_dict(
+        {
+            "name": "fold",
+            "seed": 3,
+            "rounds": 3,
+            "data": {"dataset": "synthetic", "num_clients": 6, "partition": "iid"},
+            "model": {"name": "mlp", "hidden": [16]},
+            "training": {"local_steps": 3, "batch_size": 8, "lr": 0.1},
+            "strategy": strategy,
+            "selection": {"method": "random", "clients_per_round": 4},
+            "evaluation": {"every": 3},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"name": "fedavg"},
+        {"name": "fedeba", "params": {"tau": 0.5}},
+        {"name": "fedeba_plus", "params": {"tau": 0.5, "alpha": 0.5}},  # gradient probe + aligned training
+        {"name": "fedeba_plus", "params": {"tau": 0.5, "alpha": 0.5, "mode": "model"}},
+        {"name": "term", "params": {"tilt": 1.0}},
+    ],
+    ids=lambda s: f"{s['name']}-{s.get('params', {}).get('mode', '')}",
+)
+def test_engine_streams_updates_away_and_matches_the_buffered_round_bit_for_bit(strategy: dict[str, Any]) -> None:
+    config = _config(strategy)
+    finals = []
+    for streaming in (True, False):
+        transport = _Recording()
+        events: list[control_pb2.RunEvent] = []
+        engine = RoundEngine("fold", config, transport, LocalSelector("random"), LocalPrivacy(), events.append)
+        engine._streams = streaming
+        summary = engine.run()
+        assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
+        assert transport.streamed and all(s == streaming for s in transport.streamed)
+        if streaming:  # the aggregator kept no update: every folded tensor was dropped on arrival
+            assert all(not kinds for kinds in transport.payload_kinds)
+        finals.append(summary.final_params)
+    assert torch.equal(finals[0], finals[1])
