@@ -1,8 +1,10 @@
 """The persisted privacy ledger: budgets, the events every round spent, and enforcement of the budget.
 
 Spend is never stored as a running ε: it is recomputed from the stored events on each query, so the ledger is an
-audit trail and the accountant can be improved without migrating data. Events with the same (q, σ) are merged by a
-SQL GROUP BY, so the accounting cost depends on the number of distinct mechanisms, not on the number of rounds.
+audit trail and the accountant can be improved without migrating data. Events with the same (q, σ) are merged: the
+`totals` table keeps each principal's summed count per (q, σ), updated in the same transaction that records the
+events, so a budget check or an ε query reads one row per principal and mechanism, and its cost depends on the number
+of principals and distinct mechanisms, not on the number of rounds recorded.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ MAX_COUNT = 10**12
 MAX_ID_CHARS = 256
 _IN_CHUNK = 500  # principals per IN (...) list, well below SQLite's bound-parameter limit
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the totals table (a version-1 file is migrated when opened)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS budgets (
     run_id TEXT PRIMARY KEY,
@@ -50,14 +52,32 @@ CREATE TABLE IF NOT EXISTS events (
     recorded_at REAL NOT NULL,
     PRIMARY KEY (run_id, round, principal, mechanism)
 ) WITHOUT ROWID;
--- Covering index for the per-principal GROUP BY (q, σ) that every accounting query runs.
-CREATE INDEX IF NOT EXISTS events_by_principal ON events (run_id, principal, sample_rate, noise_multiplier, count);
+-- Per principal and (q, σ): SUM(count) and COUNT(*) of its events, kept with them in each round's transaction.
+CREATE TABLE IF NOT EXISTS totals (
+    run_id TEXT NOT NULL,
+    principal TEXT NOT NULL,
+    sample_rate REAL NOT NULL,
+    noise_multiplier REAL NOT NULL,
+    count INTEGER NOT NULL,
+    rows INTEGER NOT NULL,
+    PRIMARY KEY (run_id, principal, sample_rate, noise_multiplier)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS rounds (
     run_id TEXT NOT NULL,
     round INTEGER NOT NULL,
     recorded_at REAL NOT NULL,
     PRIMARY KEY (run_id, round)
 ) WITHOUT ROWID;
+"""
+# From version 1: fill totals from the events (only while the file is still below version 2, so a second process that
+# opened the same old file waits for the first one's transaction and then adds nothing), and drop version 1's index
+# for the GROUP BY the totals replace.
+_MIGRATE = """
+INSERT INTO totals
+    SELECT run_id, principal, sample_rate, noise_multiplier, SUM(count), COUNT(*) FROM events
+    WHERE (SELECT user_version FROM pragma_user_version) < 2
+    GROUP BY run_id, principal, sample_rate, noise_multiplier;
+DROP INDEX IF EXISTS events_by_principal;
 """
 
 
@@ -294,11 +314,13 @@ class SqliteLedger(Ledger):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in range(SCHEMA_VERSION + 1):
             self._db.close()
             raise RuntimeError(f"{path}: ledger schema version {version}, this service knows {SCHEMA_VERSION}")
-        try:  # one script, one transaction: a crash mid-creation leaves no half-made schema
-            self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+        try:  # one script, one transaction: a crash mid-creation (or mid-migration) leaves the file as it was
+            self._db.executescript(
+                f"BEGIN IMMEDIATE; {_SCHEMA} {_MIGRATE} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;"
+            )
         except sqlite3.Error:
             self._db.close()
             raise
@@ -351,10 +373,7 @@ class SqliteLedger(Ledger):
         """(principal -> {(q, σ): total count}, principal -> event rows) for the run, or for `principals`."""
         histories: dict[str, History] = defaultdict(dict)
         n_events: dict[str, int] = defaultdict(int)
-        query = (
-            "SELECT principal, sample_rate, noise_multiplier, SUM(count), COUNT(*) FROM events WHERE run_id = ? {} "
-            "GROUP BY principal, sample_rate, noise_multiplier"
-        )
+        query = "SELECT principal, sample_rate, noise_multiplier, count, rows FROM totals WHERE run_id = ? {}"
         if principals is None:
             batches: list[list[str]] = [[]]
         else:
@@ -436,6 +455,11 @@ class SqliteLedger(Ledger):
                     (run_id, round_, e.principal, e.mechanism, e.sample_rate, e.noise_multiplier, e.count, now)
                     for e in events
                 ],
+            )
+            db.executemany(
+                "INSERT INTO totals VALUES (?, ?, ?, ?, ?, 1) ON CONFLICT (run_id, principal, sample_rate, "
+                "noise_multiplier) DO UPDATE SET count = count + excluded.count, rows = rows + 1",
+                [(run_id, e.principal, e.sample_rate, e.noise_multiplier, e.count) for e in events],
             )
             db.execute("INSERT INTO rounds VALUES (?, ?, ?)", (run_id, round_, now))
             return AuthorizeResult(False, worst_eps)
