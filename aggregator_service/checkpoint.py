@@ -161,7 +161,8 @@ def _rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()  # keys travel as int64 (no uint32 wire dtype)
     return {
-        "python": [version, list(internal), gauss],
+        # One tensor, not 625 JSON numbers: the state tree is walked value by value, every round.
+        "python": [version, np.asarray(internal, dtype=np.int64), gauss],
         "numpy": [name, np.asarray(keys, dtype=np.int64), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
@@ -169,7 +170,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate((version, tuple(np.asarray(internal).tolist()), gauss))  # a list in checkpoints before 2026-11
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"].to(torch.uint8))
