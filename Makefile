@@ -9,12 +9,13 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 CONFIG ?= experiments/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup dataset prometheus run run-inprocess monitor test test-unit test-integration lint format protos clean
+.PHONY: help setup dataset prometheus run run-inprocess monitor test test-unit test-integration bench lint format protos clean
 
 help:
 	@echo "make run          run $(CONFIG) over gRPC (services and agents as local processes)"
 	@echo "make monitor      make run, with a local Prometheus scraping every process (docs/observability.md)"
 	@echo "make test         run the test suite (unit + integration)"
+	@echo "make bench        run scripts/bench_*.py, write docs/benchmarks.md (BENCH_QUICK=1: smoke pass to runs/bench/)"
 	@echo "make lint         ruff check and format check"
 	@echo "make protos       regenerate the gRPC stubs from protos/"
 	@echo "make setup        create $(VENV) and install dependencies and the dataset"
@@ -68,6 +69,10 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+# Benchmark scripts (not tests), each as its own process; BENCH_ONLY=round,wire runs some again, keeping the others.
+bench: setup
+	$(PY) scripts/bench_report.py $(if $(BENCH_QUICK),--quick) $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

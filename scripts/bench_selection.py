@@ -3,6 +3,7 @@ as `fairfl run` deploys it) and in-process (the aggregator's LocalSelector).
 
     python scripts/bench_selection.py                       # 10,000 clients, 10 classes, 10% per round
     python scripts/bench_selection.py --clients 2000 --per-round 100 --repeats 5
+    python scripts/bench_selection.py --json out.json      # also write the figures for scripts/bench_report.py
 
 Signatures are planted like SGD makes them (Δb ≈ η·R·(D − 1/C) + noise, D ~ Dirichlet(α) with α from HiCS-FL's
 setting (2)), reported once, then a post-warm-up round is selected `--repeats` times. Above `max_ward_points`
@@ -22,6 +23,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchlib
 import numpy as np
 
 from aggregator_service.peers import LocalSelector
@@ -56,7 +58,12 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=0, help="K (default: 10%% of the clients)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-ward-points", type=int, default=0, help="sampler default when 0")
+    parser.add_argument("--quick", action="store_true", help="2,000 clients, 1 repeat: a smoke pass")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures JSON here (scripts/bench_report.py)")
     args = parser.parse_args()
+    bench_started = time.perf_counter()
+    if args.quick:
+        args.clients, args.repeats = min(args.clients, 2000), 1
     k = args.per_round or max(1, args.clients // 10)
     params = SelectionParams(total_rounds=200, max_ward_points=args.max_ward_points or None)
     signatures = planted_signatures(args.clients, args.classes, seed=0)
@@ -97,6 +104,29 @@ def main() -> int:
     print(f"{'path':<30} {'median s':>9} {'max s':>9}")
     for path, values in timings.items():
         print(f"{path:<30} {statistics.median(values):>9.3f} {max(values):>9.3f}")
+    label = f"HiCS-FL selection of {k} of {args.clients:,} clients"
+    figures = [
+        benchlib.figure(
+            f"{label}, through the clustering service (median)",
+            statistics.median(timings["grpc (client-side wall)"]),
+            "s",
+            key="grpc_s",
+        ),
+        benchlib.figure(
+            f"{label}, the sampler inside the service (median)",
+            statistics.median(timings["grpc (sampler, server-side)"]),
+            "s",
+            key="sampler_s",
+        ),
+        benchlib.figure(
+            f"{label}, in-process (median)", statistics.median(timings["in-process"]), "s", key="inprocess_s"
+        ),
+    ]
+    notes = [
+        f"{args.classes} classes, K = M = {k}, {args.repeats} repeat(s) each; clustering service over mutual TLS; "
+        "signatures planted as SGD makes them (see the script)."
+    ]
+    benchlib.write_result(args.json, "selection", figures, bench_started, args.quick, notes, dict(timings))
     return 0
 
 

@@ -1,0 +1,207 @@
+"""The benchmark harness (scripts/bench_report.py): figures JSON -> docs/benchmarks.md with targets and pass/fail,
+and how it runs scripts (missing, failing, --quick)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_report
+import benchlib
+
+MACHINE = {
+    "cpu": "AMD EPYC",
+    "cores": 2,
+    "usable_cores": 2,
+    "ram_gib": 23.5,
+    "gpu": "none",
+    "os": "Linux",
+    "python": "3.11.7",
+    "torch": "2.13.0+cpu",
+    "grpcio": "1.85.1",
+    "numpy": "2.4.6",
+    "load_average": [0.5, 0.4, 0.3],
+    "commit": "abc1234",
+    "date": "2026-11-21 10:00 UTC",
+}
+
+
+def result(figures: list[dict], **extra: object) -> dict:
+    return {"benchmark": "x", "command": "python scripts/x.py --json /tmp/x.json", "machine": MACHINE,
+            "figures": figures, "notes": ["a note"], **extra}  # fmt: skip
+
+
+def acceptance_rows(markdown: str) -> dict[str, list[str]]:
+    """criterion -> [measured, target, result] from the Acceptance table."""
+    section = markdown.split("## Acceptance", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and not set(cells[0]) <= {"-"} and cells[0] != "criterion":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_targets_pass_and_fail_at_their_bounds() -> None:
+    at_bound = benchlib.figure("r", 1.15, "x", ("<=", 1.15))
+    assert bench_report.verdict(at_bound) == "pass"
+    assert bench_report.verdict(benchlib.figure("r", 1.1501, "x", ("<=", 1.15))) == "FAIL"
+    assert bench_report.verdict(benchlib.figure("g", 0.5, "GB/s", (">=", 0.5))) == "pass"
+    assert bench_report.verdict(benchlib.figure("g", 0.49, "GB/s", (">=", 0.5))) == "FAIL"
+    assert bench_report.verdict(benchlib.figure("n", None, "s", ("<=", 1.0))) == "FAIL"  # not measured never passes
+    assert bench_report.verdict(benchlib.figure("t", 3.0, "s")) == ""  # no target, no verdict
+    with pytest.raises(ValueError, match="target op"):
+        benchlib.figure("bad", 1.0, "x", ("<", 1.0))
+
+
+def test_values_are_rendered_in_their_units() -> None:
+    fmt = bench_report.fmt_value
+    assert fmt(1.0834, "x") == "1.083x"
+    assert fmt(0.2534, "s") == "253.4 ms"
+    assert fmt(12.345, "s") == "12.35 s"
+    assert fmt(0.000042, "s") == "42 µs"
+    assert fmt(3 * 2**20, "B") == "3.00 MiB"
+    assert fmt(1000, "") == "1,000"
+    assert fmt(1.0, "bool") == "yes" and fmt(0.0, "bool") == "no"
+    assert fmt(None, "s") == "not measured"
+
+
+def test_report_renders_figures_targets_commands_and_every_acceptance_criterion() -> None:
+    records = {
+        "round": {
+            "status": "ok",
+            "command": "python scripts/bench_round.py",
+            "seconds": 201.5,
+            "result": result(
+                [
+                    benchlib.figure("gRPC / plain", 1.08, "x", ("<=", 1.15), note="2 agents", key="grpc_over_plain"),
+                    benchlib.figure("gRPC: seconds per round", 0.2534, "s", key="grpc_s"),
+                ]
+            ),
+        },
+        "wire": {
+            "status": "ok",
+            "result": result([benchlib.figure("w", 1.031, "x", ("<=", 1.02), key="wire_over_raw")]),
+        },
+        # bench_transfer.py writes flat keys; the adapter gives its figures their targets.
+        "transfer": {
+            "status": "ok",
+            "command": "python scripts/bench_transfer.py",
+            "result": {"down_gbps": 0.41, "up_gbps": 0.62, "up_float16_gbps": 1.1, "bytes_moved": 2**30},
+        },
+        "scale": {"status": "failed", "reason": "exit status 1 and no JSON", "log_tail": "Traceback: boom"},
+        "gpu": {"status": "skipped", "reason": "no CUDA device", "result": {"skipped": "no CUDA device"}},
+    }
+    md = bench_report.render(records, quick=False, generated="2026-11-21 10:00 UTC")
+    rows = acceptance_rows(md)
+    assert rows["Round overhead ≤ 1.15x the plain loop (default preset, 2-core CPU, loopback)"] == [
+        "1.080x",
+        "≤ 1.150x",
+        "pass",
+    ]
+    assert rows["Lossless bytes on the wire ≤ 1.02x raw tensor bytes"] == ["1.031x", "≤ 1.020x", "FAIL"]
+    assert rows["1 GiB model down to an agent ≥ 0.5 GB/s (default message limit)"] == [
+        "0.41 GB/s",
+        "≥ 0.5 GB/s",
+        "FAIL",
+    ]
+    assert rows["1 GiB update up from an agent ≥ 0.5 GB/s (default message limit)"] == [
+        "0.62 GB/s",
+        "≥ 0.5 GB/s",
+        "pass",
+    ]
+    assert rows["Aggregator peak memory for 100 updates ≤ 2x its memory for 10"] == ["not run", "", "not evaluated"]
+    assert rows["1000 logical clients: the run completes (time per round and memory in section 5)"][0] == "failed"
+    # Sections: the command without the harness's --json, figures with notes, the machine, failures with their log.
+    assert "Command: `python scripts/bench_round.py` (201.5 s)" in md
+    assert "| gRPC / plain (2 agents) | 1.080x | ≤ 1.150x | pass |" in md
+    assert "| gRPC: seconds per round | 253.4 ms |  |  |" in md
+    assert "| update up as float16 (lossy, float32-equivalent GB/s) | 1.1 GB/s |  |  |" in md
+    assert "| CPU | AMD EPYC, 2 cores (2 usable) |" in md and "| commit | abc1234 |" in md
+    assert "Ran 2026-11-21 10:00 UTC, load average 0.5, 0.4, 0.3." in md
+    assert "**failed**: exit status 1 and no JSON" in md and "Traceback: boom" in md
+    assert "**skipped**: no CUDA device" in md
+    assert "## 4. Aggregation" in md and "**not run**" in md
+    assert "Smoke pass" not in md
+    assert "Smoke pass" in bench_report.render(records, quick=True, generated="now")
+
+
+def write_script(directory: Path, name: str, body: str) -> None:
+    (directory / name).write_text(body)
+
+
+def test_runner_passes_quick_records_failures_and_missing_scripts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    monkeypatch.setattr(bench_report, "SCRIPTS", scripts)
+    monkeypatch.setattr(bench_report, "REPO", tmp_path)
+    # A script with --quick that reports whether it got it; one that fails; none for the third.
+    write_script(
+        scripts,
+        "bench_good.py",
+        "import json, sys\n"
+        "args = sys.argv[1:]\n"
+        "path = args[args.index('--json') + 1]\n"
+        "quick = '--quick' in args\n"
+        "json.dump({'figures': [{'name': 'q', 'value': float(quick), 'unit': 'bool', 'key': 'q'}]}, open(path, 'w'))\n",
+    )
+    write_script(scripts, "bench_bad.py", "import sys\nprint('it broke', file=sys.stderr)\nsys.exit(3)\n")
+    good = bench_report.Benchmark("good", "bench_good.py", "Good", "")
+    bad = bench_report.Benchmark("bad", "bench_bad.py", "Bad", "")
+    missing = bench_report.Benchmark("missing", "bench_missing.py", "Missing", "")
+    json_dir, logs = tmp_path / "json", tmp_path / "logs"
+    json_dir.mkdir()
+
+    record = bench_report.run_benchmark(good, quick=True, json_dir=json_dir, log_dir=logs)
+    assert record["status"] == "ok" and record["command"] == "python scripts/bench_good.py --quick"
+    assert record["result"]["figures"][0]["value"] == 1.0
+    assert (
+        bench_report.run_benchmark(good, quick=False, json_dir=json_dir, log_dir=logs)["result"]["figures"][0]["value"]
+        == 0.0
+    )
+
+    failed = bench_report.run_benchmark(bad, quick=False, json_dir=json_dir, log_dir=logs)
+    assert failed["status"] == "failed" and failed["reason"] == "exit status 3 and no JSON"
+    assert "it broke" in failed["log_tail"]
+
+    assert bench_report.run_benchmark(missing, quick=False, json_dir=json_dir, log_dir=logs) == {
+        "status": "not run",
+        "reason": "scripts/bench_missing.py does not exist",
+    }
+
+
+def test_main_keeps_earlier_figures_when_one_benchmark_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "docs" / "benchmarks.md"
+    out.parent.mkdir()
+    earlier = {
+        "wire": {
+            "status": "ok",
+            "result": result([benchlib.figure("w", 1.004, "x", ("<=", 1.02), key="wire_over_raw")]),
+        }
+    }
+    out.with_suffix(".json").write_text(json.dumps(earlier))
+    ran: list[str] = []
+
+    def fake_run(bench: bench_report.Benchmark, quick: bool, json_dir: Path, log_dir: Path) -> dict:
+        ran.append(bench.name)
+        return {"status": "ok", "result": result([benchlib.figure("r", 1.2, "x", ("<=", 1.15), key="grpc_over_plain")])}
+
+    monkeypatch.setattr(bench_report, "run_benchmark", fake_run)
+    monkeypatch.setattr(bench_report, "LOG_DIR", tmp_path / "logs")
+    assert bench_report.main(["--only", "round", "--output", str(out)]) == 0
+    assert ran == ["round"]
+    rows = acceptance_rows(out.read_text())
+    assert rows["Lossless bytes on the wire ≤ 1.02x raw tensor bytes"] == ["1.004x", "≤ 1.020x", "pass"]
+    assert rows["Round overhead ≤ 1.15x the plain loop (default preset, 2-core CPU, loopback)"][2] == "FAIL"
+    assert set(json.loads(out.with_suffix(".json").read_text())) == {"wire", "round"}
+    with pytest.raises(SystemExit):
+        bench_report.main(["--only", "nonsense", "--output", str(out)])
