@@ -73,6 +73,7 @@ BENCHMARKS = [
         "bench_aggregation.py",
         "4. Aggregation",
         "Time and aggregator peak memory aggregating 10, 100 and 1000 updates of a 100M-parameter model.",
+        quick_args=("--counts", "10", "100", "--params", "10000000"),
     ),
     Benchmark(
         "scale",
@@ -148,6 +149,75 @@ def _transfer(raw: dict[str, Any]) -> list[dict[str, Any]]:
     return figures
 
 
+def _aggregation(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench_aggregation.py writes {"params", "cases": [{strategy, updates, streaming, seconds, peak_rss_bytes, ...}]}.
+    The acceptance keys peak_ratio_<n> are the largest ratio over the strategies (each strategy's own rows follow)."""
+    cases = [c for c in raw.get("cases", []) if isinstance(c, dict)]
+    params = raw.get("params")
+    size = f"{params / 1e6:g}M-parameter" if isinstance(params, int | float) else "?"
+    figures: list[dict[str, Any]] = []
+    worst: dict[int, float] = {}
+    for strategy in sorted({c.get("strategy", "?") for c in cases}):
+        mine = sorted(
+            (c for c in cases if c.get("strategy") == strategy and c.get("streaming")), key=lambda c: c["updates"]
+        )
+        if not mine:
+            continue
+        base = mine[0]
+        for case in mine:
+            n = case["updates"]
+            figures.append(
+                _figure(
+                    f"{strategy}: {n} updates of a {size} model, time",
+                    case.get("seconds"),
+                    "s",
+                    key=f"{strategy}_seconds_{n}",
+                )
+            )
+            figures.append(
+                _figure(
+                    f"{strategy}: {n} updates, aggregator peak memory",
+                    case.get("peak_rss_bytes"),
+                    "B",
+                    key=f"{strategy}_peak_{n}",
+                )
+            )
+            if case is not base and base.get("peak_rss_bytes"):
+                ratio = case["peak_rss_bytes"] / base["peak_rss_bytes"]
+                worst[n] = max(worst.get(n, 0.0), ratio)
+                figures.append(
+                    _figure(
+                        f"{strategy}: peak memory for {n} updates / for {base['updates']}",
+                        ratio,
+                        "x",
+                        ("<=", 2.0),
+                        key=f"{strategy}_peak_ratio_{n}",
+                    )
+                )
+    for case in cases:
+        if not case.get("streaming"):
+            figures.append(
+                _figure(
+                    f"{case.get('strategy')}: {case.get('updates')} updates kept until the round "
+                    "closes (the design streaming replaced), peak memory",
+                    case.get("peak_rss_bytes"),
+                    "B",
+                    key=f"buffered_peak_{case.get('updates')}",
+                )
+            )
+    for n, ratio in sorted(worst.items()):
+        figures.append(
+            _figure(
+                f"peak memory for {n} updates / for the fewest, worst strategy",
+                ratio,
+                "x",
+                ("<=", 2.0),
+                key=f"peak_ratio_{n}",
+            )
+        )
+    return figures
+
+
 def _generic(raw: dict[str, Any]) -> list[dict[str, Any]]:
     """Any flat JSON: its numeric top-level values, as reported (no targets)."""
     return [
@@ -157,7 +227,10 @@ def _generic(raw: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-ADAPTERS: dict[str, Callable[[dict[str, Any]], list[dict[str, Any]]]] = {"transfer": _transfer}
+ADAPTERS: dict[str, Callable[[dict[str, Any]], list[dict[str, Any]]]] = {
+    "transfer": _transfer,
+    "aggregation": _aggregation,
+}
 
 
 def figures_of(name: str, raw: dict[str, Any]) -> list[dict[str, Any]]:

@@ -32,8 +32,19 @@ MACHINE = {
 
 
 def result(figures: list[dict], **extra: object) -> dict:
-    return {"benchmark": "x", "command": "python scripts/x.py --json /tmp/x.json", "machine": MACHINE,
-            "figures": figures, "notes": ["a note"], **extra}  # fmt: skip
+    return {
+        "benchmark": "x",
+        "command": "python scripts/x.py --json /tmp/x.json",
+        "machine": MACHINE,
+        "figures": figures,
+        "notes": ["a note"],
+        **extra,
+    }
+
+
+def aggregation_case(strategy: str, updates: int, peak_gib: float, streaming: bool = True) -> dict:
+    return {"strategy": strategy, "updates": updates, "streaming": streaming, "seconds": updates * 0.2,
+            "peak_rss_bytes": int(peak_gib * 2**30)}  # fmt: skip
 
 
 def acceptance_rows(markdown: str) -> dict[str, list[str]]:
@@ -94,6 +105,22 @@ def test_report_renders_figures_targets_commands_and_every_acceptance_criterion(
             "command": "python scripts/bench_transfer.py",
             "result": {"down_gbps": 0.41, "up_gbps": 0.62, "up_float16_gbps": 1.1, "bytes_moved": 2**30},
         },
+        # bench_aggregation.py writes its cases; the acceptance ratios are the worst strategy's.
+        "aggregation": {
+            "status": "ok",
+            "result": {
+                "params": 100_000_000,
+                "cases": [
+                    aggregation_case("fedavg", 10, 1.0),
+                    aggregation_case("fedavg", 100, 1.1),
+                    aggregation_case("fedavg", 1000, 1.2),
+                    aggregation_case("fedeba", 10, 1.0),
+                    aggregation_case("fedeba", 100, 1.05),
+                    aggregation_case("fedeba", 1000, 2.5),
+                    aggregation_case("fedavg", 10, 4.0, streaming=False),
+                ],
+            },
+        },
         "scale": {"status": "failed", "reason": "exit status 1 and no JSON", "log_tail": "Traceback: boom"},
         "gpu": {"status": "skipped", "reason": "no CUDA device", "result": {"skipped": "no CUDA device"}},
     }
@@ -115,7 +142,10 @@ def test_report_renders_figures_targets_commands_and_every_acceptance_criterion(
         "≥ 0.5 GB/s",
         "pass",
     ]
-    assert rows["Aggregator peak memory for 100 updates ≤ 2x its memory for 10"] == ["not run", "", "not evaluated"]
+    assert rows["Aggregator peak memory for 100 updates ≤ 2x its memory for 10"] == ["1.100x", "≤ 2.000x", "pass"]
+    assert rows["Aggregator peak memory for 1000 updates ≤ 2x its memory for 10"] == ["2.500x", "≤ 2.000x", "FAIL"]
+    assert "| fedeba: 1000 updates, aggregator peak memory | 2.50 GiB |  |  |" in md
+    assert "| fedavg: 10 updates of a 100M-parameter model, time | 2.00 s |  |  |" in md
     assert rows["1000 logical clients: the run completes (time per round and memory in section 5)"][0] == "failed"
     # Sections: the command without the harness's --json, figures with notes, the machine, failures with their log.
     assert "Command: `python scripts/bench_round.py` (201.5 s)" in md
@@ -126,7 +156,7 @@ def test_report_renders_figures_targets_commands_and_every_acceptance_criterion(
     assert "Ran 2026-11-21 10:00 UTC, load average 0.5, 0.4, 0.3." in md
     assert "**failed**: exit status 1 and no JSON" in md and "Traceback: boom" in md
     assert "**skipped**: no CUDA device" in md
-    assert "## 4. Aggregation" in md and "**not run**" in md
+    assert "## 3. Transfer" in md and "## 6b. Accounting" in md and "**not run**" in md
     assert "Smoke pass" not in md
     assert "Smoke pass" in bench_report.render(records, quick=True, generated="now")
 
