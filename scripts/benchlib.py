@@ -310,7 +310,8 @@ class ByteCountingProxy:
     def close(self) -> None:
         self._closed.set()
         with suppress(OSError):
-            self.listener.close()
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() that close() alone leaves blocked
+        self.listener.close()
         with self._lock:
             sockets = list(self._sockets)
         for sock in sockets:
