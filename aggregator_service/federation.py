@@ -28,7 +28,7 @@ from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from fairfl import __version__, codec, rpc, telemetry, tls
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
-from fairfl.protocol import ClientResult, ResultAssembler, check_against_task, check_result
+from fairfl.protocol import ClientResult, ResultAssembler, ResultPart, check_against_task, check_result
 from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 
@@ -364,7 +364,7 @@ class GrpcTransport(ClientTransport):
         with self.state.lock:
             self.state.run_id = run_id
             self.state.run_yaml[run_id] = config.to_yaml()
-            self.state.layout = layout
+            self.state.layout = layout.with_payload_dtype(config.transport.update_dtype)  # what results travel in
 
     def wait_for_clients(self, num_clients: int, timeout: float, stop: threading.Event) -> None:
         self.stop = stop
@@ -540,7 +540,20 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             context.abort(
                 grpc.StatusCode.NOT_FOUND, f"blob {request.sha256[:16]}… is not held (it belongs to a finished round)"
             )
-        yield from entry[0].chunks(CHUNK_BYTES)
+        bundle = entry[0]
+        # A byte range, so an agent can fetch a large blob on concurrent streams (codec.fetch_ranges).
+        offset, length = request.offset, request.length
+        total = bundle.total_bytes
+        if offset > total or offset + length > total:
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "size",
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"range offset {offset} length {length} is outside blob {request.sha256[:16]}… of {total} bytes; "
+                "ask for offset + length <= total_bytes (length 0 = to the end)",
+            )
+        yield from bundle.chunks(CHUNK_BYTES, offset, length or total - offset)
 
     def SubmitResult(self, request_iterator: Iterator[federation_pb2.ResultChunk], context: grpc.ServicerContext):
         first = next(request_iterator, None)
@@ -554,11 +567,17 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             )
         header = first.header
 
-        def data() -> Iterator[bytes]:
+        def data() -> Iterator[ResultPart]:
             for chunk in request_iterator:
-                if chunk.WhichOneof("part") != "data":
+                part = chunk.WhichOneof("part")
+                if part == "data":
+                    yield chunk.data
+                elif part == "trailer":
+                    yield chunk.trailer
+                elif part == "header":
                     raise codec.CodecError("a second header arrived inside the result stream")
-                yield chunk.data
+                else:
+                    raise codec.CodecError("an empty ResultChunk arrived inside the result stream")
 
         try:
             self.state.accept(header, data(), rpc.principal(context))

@@ -8,6 +8,7 @@ aggregator restarts and network blips without losing its clients.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import random
@@ -43,6 +44,7 @@ from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 log = logging.getLogger(__name__)
 
 MODEL_CACHE_SIZE = 4
+FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
 
 
 def parse_client_ids(text: str) -> list[int]:
@@ -177,21 +179,26 @@ class Agent:
             return cached
         telemetry.AGENT_MODEL_FETCHES.labels("miss").inc()
         layout = next(iter(self.runtimes.values())).layout
-        stream = self.stub.FetchBlob(ref, timeout=TRANSFER_DEADLINE)
-        first = next(stream)
-        if first.WhichOneof("part") != "header":
-            raise codec.CodecError("model stream did not start with a header")
-        layout.check_specs(list(first.header.tensors))
-        if first.header.sha256 != ref.sha256:
-            raise codec.CodecError("model stream is not the requested blob")
-        receiver = codec.PayloadReceiver(first.header.total_bytes, ref.sha256, max_bytes=layout.nbytes)
-        for chunk in stream:
-            receiver.add(chunk.data)
-            telemetry.AGENT_RECEIVED_BYTES.inc(len(chunk.data))
-        flat = torch.frombuffer(receiver.finish(), dtype=torch.float32)
-        self.models[ref.sha256] = flat
-        while len(self.models) > MODEL_CACHE_SIZE:
+        while len(self.models) >= MODEL_CACHE_SIZE:  # before the fetch, so an evicted model's buffer can be reused
             self.models.popitem(last=False)
+
+        def open_range(offset: int, length: int) -> Iterator[tensor_pb2.Chunk]:
+            request = tensor_pb2.BlobRef(sha256=ref.sha256, total_bytes=ref.total_bytes, offset=offset, length=length)
+            for chunk in self.stub.FetchBlob(request, timeout=TRANSFER_DEADLINE):
+                telemetry.AGENT_RECEIVED_BYTES.inc(len(chunk.data))
+                yield chunk
+
+        # A large model arrives as byte ranges on concurrent streams, hashed as it lands (codec.fetch_ranges).
+        _, buffer = codec.fetch_ranges(
+            open_range,
+            ref.total_bytes,
+            ref.sha256,
+            lambda header: layout.check_specs(list(header.tensors)),
+            max_bytes=layout.nbytes,
+            streams=FETCH_STREAMS,
+        )
+        flat = torch.frombuffer(buffer, dtype=torch.float32) if len(buffer) else torch.empty(0)
+        self.models[ref.sha256] = flat
         return flat
 
     def _result(self, runtime: ClientRuntime, task: federation_pb2.Task) -> ClientResult:
@@ -232,12 +239,24 @@ class Agent:
         telemetry.AGENT_TASK_DURATION.labels(phase).observe(time.perf_counter() - started)
         result.agent_id = self.agent_id
         try:
-            self.stub.SubmitResult(_counted(encode_result(result, runtime.layout)), timeout=TRANSFER_DEADLINE)
+            self.submit(result, runtime)
             self.tasks_done += 1
             telemetry.AGENT_TASKS.labels(phase, "submitted").inc()
         except grpc.RpcError as err:
             log.warning("result for %s refused: %s %s", task.task_id, err.code().name, err.details())
             telemetry.AGENT_TASKS.labels(phase, "refused").inc()
+        except codec.CodecError as err:  # nothing was sent; the round closes without this client
+            log.error("result for %s not sent: %s", task.task_id, err)
+            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
+
+    def submit(self, result: ClientResult, runtime: ClientRuntime) -> None:
+        """Stream one result to the aggregator, its payloads in the run's transport.update_dtype and its sha256 in a
+        trailer (hashed while it streams). Raises grpc.RpcError when it is refused, codec.CodecError when a payload
+        cannot be sent in that dtype (float16 overflow)."""
+        layout = runtime.layout.with_payload_dtype(runtime.config.transport.update_dtype)
+        chunks = encode_result(result, layout, sha256_in_trailer=True)
+        first = next(chunks)  # casts and checks the payloads before the call opens
+        self.stub.SubmitResult(_counted(itertools.chain([first], chunks)), timeout=TRANSFER_DEADLINE)
 
 
 _PHASES = {

@@ -8,8 +8,13 @@ not bounded by gRPC's per-message limit.
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +45,15 @@ ITEMSIZE: dict[int, int] = {k: torch.empty((), dtype=v).element_size() for k, v 
 
 # Hard ceiling for one bundle; callers pass tighter limits where they know the expected size.
 DEFAULT_MAX_BUNDLE_BYTES = 16 * 1024**3
+# Payloads at least this big are hashed on a helper thread while the next bytes move (see StreamDigest); below it a
+# hand-off costs more than it saves.
+BACKGROUND_DIGEST_BYTES = 8 * 1024 * 1024
+DIGEST_STEP_BYTES = 8 * 1024 * 1024  # received bytes handed to the hashing thread at a time
+# Concurrent range fetches (fetch_ranges): blobs above one segment travel as segments of at least SEGMENT_BYTES (at
+# most MAX_SEGMENTS of them) on FETCH_STREAMS streams at once.
+FETCH_STREAMS = 4
+SEGMENT_BYTES = 16 * 1024 * 1024
+MAX_SEGMENTS = 256
 
 
 class CodecError(ValueError):
@@ -100,8 +114,11 @@ def tensor_to_proto(name: str, tensor: torch.Tensor | np.ndarray) -> tensor_pb2.
     return tensor_pb2.Tensor(spec=spec_of(name, tensor), data=bytes(tensor_bytes(tensor)))
 
 
-def decode_tensor(spec: tensor_pb2.TensorSpec, buffer: bytes | bytearray | memoryview, offset: int = 0) -> torch.Tensor:
-    """A tensor viewing `buffer` at `offset` (zero-copy for writable buffers)."""
+Buffer = bytes | bytearray | memoryview | np.ndarray
+
+
+def decode_tensor(spec: tensor_pb2.TensorSpec, buffer: Buffer, offset: int = 0) -> torch.Tensor:
+    """A tensor viewing `buffer` at `offset` (zero-copy for writable buffers: received payloads are uint8 arrays)."""
     nbytes = spec_nbytes(spec)
     dtype = TORCH_DTYPES[spec.dtype]
     shape = tuple(spec.shape)
@@ -126,6 +143,143 @@ def tensor_from_proto(message: tensor_pb2.Tensor) -> torch.Tensor:
     return decode_tensor(message.spec, message.data)
 
 
+_FINITE_BLOCK = 1 << 20  # half-precision values summed in float32 this many at a time
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, exactly, at the cost of one sum in the common case.
+
+    A sum is finite only if every term is (inf and NaN propagate; inf - inf is NaN), so a finite sum proves it; a
+    non-finite one may also be an overflow of finite values, which the exact element-wise check settles.
+    torch.isfinite(...).all() alone is ~20x slower than a sum on a CPU. Half-precision values are summed in float32,
+    where they cannot overflow, a block at a time (sum(dtype=float32) of the whole would first copy it to float32)."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return True
+    flat = tensor.reshape(-1)
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        sums = [flat[i : i + _FINITE_BLOCK].sum(dtype=torch.float32) for i in range(0, flat.numel(), _FINITE_BLOCK)]
+        total = float(torch.stack(sums).sum())
+    else:
+        total = float(flat.sum())
+    return math.isfinite(total) or bool(torch.isfinite(flat).all())
+
+
+# -- hashing while the bytes move --------------------------------------------------------------------------------------
+
+_digest_pool: ThreadPoolExecutor | None = None
+_digest_pool_lock = threading.Lock()
+
+
+def _digest_workers() -> ThreadPoolExecutor:
+    global _digest_pool
+    with _digest_pool_lock:
+        if _digest_pool is None:
+            _digest_pool = ThreadPoolExecutor(
+                max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="sha256"
+            )
+        return _digest_pool
+
+
+class StreamDigest:
+    """sha256 of byte pieces fed in order. With `background`, the pieces are hashed on a shared worker thread
+    (hashlib releases the GIL), so hashing a received chunk overlaps receiving the next one instead of following it;
+    `hexdigest` waits for what is still queued. A digest abandoned half way (a refused stream) only drains what it was
+    given: it holds no thread of its own."""
+
+    _BATCH = 8  # pieces hashed per turn on a worker, so concurrent streams share the workers
+
+    def __init__(self, background: bool = False) -> None:
+        self._sha = hashlib.sha256()
+        self.background = background
+        self._pending: deque[memoryview | bytes] = deque()
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+
+    def update(self, piece: memoryview | bytes) -> None:
+        """Feed the next piece; it must stay unchanged until hashed (pieces of a received buffer do)."""
+        if not self.background:
+            self._sha.update(piece)
+            return
+        with self._lock:
+            self._pending.append(piece)
+            if not self._idle.is_set():
+                return  # a worker is draining this digest and will take the piece
+            self._idle.clear()
+        _digest_workers().submit(self._drain)
+
+    def _drain(self) -> None:
+        for _ in range(self._BATCH):
+            with self._lock:
+                if not self._pending:
+                    self._idle.set()
+                    return
+                piece = self._pending.popleft()
+            try:
+                self._sha.update(piece)
+            except BaseException as err:  # pragma: no cover - hashlib does not fail on buffers
+                self._error = err
+        _digest_workers().submit(self._drain)  # more to do: queue behind the other streams' turns
+
+    def hexdigest(self) -> str:
+        self._idle.wait()
+        if self._error is not None:  # pragma: no cover
+            raise self._error
+        return self._sha.hexdigest()
+
+
+# -- receive buffers ---------------------------------------------------------------------------------------------------
+
+
+class BufferPool:
+    """Large uint8 buffers handed out again once nothing uses them.
+
+    First touching fresh memory costs more than the bytes it receives on some hosts (page faults, ~1 s per GiB on a
+    small VM), and a 1 GiB model or update arrives every round. A buffer is free again when its reference count is
+    back to what it was when only the pool held it: anything that can still reach its memory (a numpy view, a tensor
+    made by torch.frombuffer or from_numpy, a memoryview) holds a reference to it. At most `max_idle` unused buffers
+    are kept; sizes below `min_bytes` are plain allocations."""
+
+    def __init__(self, max_idle: int = 2, min_bytes: int = 32 * 1024 * 1024) -> None:
+        self.max_idle = max_idle
+        self.min_bytes = min_bytes
+        self._buffers: list[tuple[np.ndarray, int]] = []  # (buffer, its reference count when unused), oldest first
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    @staticmethod
+    def _refs(entry: tuple[np.ndarray, int]) -> int:
+        return sys.getrefcount(entry[0])
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """An uninitialised uint8 array of `nbytes`."""
+        if nbytes < self.min_bytes:
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            idle = [i for i, entry in enumerate(self._buffers) if self._refs(entry) <= entry[1]]
+            match = next((i for i in idle if len(self._buffers[i][0]) == nbytes), None)
+            if match is not None:
+                entry = self._buffers.pop(match)
+                self._buffers.append(entry)
+                self.reused += 1
+                return entry[0]
+            surplus = len(idle) - self.max_idle + 1  # room for the new one among the idle
+            for i in sorted(idle[: max(surplus, 0)], reverse=True):
+                del self._buffers[i]
+            entry = (np.empty(nbytes, dtype=np.uint8), 0)
+            entry = (entry[0], self._refs(entry))  # measured the same way as in the check above
+            self._buffers.append(entry)
+            return entry[0]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+TRANSFER_BUFFERS = BufferPool()
+
+
 def iter_byte_chunks(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """Concatenate buffers and cut them into pieces of exactly chunk_bytes (the last may be shorter)."""
     pending: list[memoryview] = []
@@ -144,6 +298,19 @@ def iter_byte_chunks(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYT
         yield b"".join(pending)
 
 
+def byte_range(buffers: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
+    """The bytes [offset, offset + length) of the buffers' concatenation, as views of them."""
+    out: list[memoryview] = []
+    start = 0
+    for buf in buffers:
+        end = start + len(buf)
+        lo, hi = max(offset, start), min(offset + length, end)
+        if lo < hi:
+            out.append(buf[lo - start : hi - start])
+        start = end
+    return out
+
+
 @dataclass(frozen=True)
 class EncodedBundle:
     """Tensors ready to stream: their specs, their byte views, total size and content address."""
@@ -157,9 +324,19 @@ class EncodedBundle:
     def header(self) -> tensor_pb2.BundleHeader:
         return tensor_pb2.BundleHeader(tensors=self.specs, total_bytes=self.total_bytes, sha256=self.sha256)
 
-    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.Chunk]:
+    def chunks(
+        self, chunk_bytes: int = CHUNK_BYTES, offset: int = 0, length: int | None = None
+    ) -> Iterator[tensor_pb2.Chunk]:
+        """The header, then the payload's bytes [offset, offset + length) (default: all of it) in chunks."""
+        if length is None:
+            length = self.total_bytes - offset
+        if offset < 0 or length < 0 or offset + length > self.total_bytes:
+            raise CodecError(f"range {offset}+{length} is outside the payload of {self.total_bytes} bytes", "size")
         yield tensor_pb2.Chunk(header=self.header)
-        for piece in iter_byte_chunks(self.buffers, chunk_bytes):
+        buffers = (
+            self.buffers if (offset, length) == (0, self.total_bytes) else byte_range(self.buffers, offset, length)
+        )
+        for piece in iter_byte_chunks(buffers, chunk_bytes):
             yield tensor_pb2.Chunk(data=piece)
 
 
@@ -172,12 +349,26 @@ def encode_bundle(tensors: Sequence[tuple[str, torch.Tensor | np.ndarray]]) -> E
     return EncodedBundle(specs, buffers, sum(len(b) for b in buffers), digest.hexdigest())
 
 
+def check_sha256(sha256: str, where: str = "the header") -> None:
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise CodecError(f"{where} must carry the payload's sha256 as 64 lowercase hex digits")
+
+
+def _check_size(total_bytes: int, max_bytes: int) -> None:
+    if total_bytes > max_bytes:
+        raise CodecError(f"payload of {total_bytes} bytes exceeds the limit of {max_bytes} bytes", "size")
+    if total_bytes < 0:  # int64 on the wire
+        raise CodecError(f"payload of {total_bytes} bytes: a size cannot be negative", "size")
+
+
 class PayloadReceiver:
     """Collects streamed data chunks into one preallocated buffer and checks size and sha256 at the end.
 
     Chunks must be non-empty and at most `max_chunk_bytes` (senders cut at CHUNK_BYTES), so a stream cannot be
     stretched into millions of empty messages, and the buffer is allocated only after the declared size passed
-    `max_bytes`. Order is covered by the digest: reordered chunks hash differently.
+    `max_bytes`. Order is covered by the digest: reordered chunks hash differently. Large payloads are hashed while
+    they arrive (StreamDigest). With `sha256_in_trailer` the digest comes after the data (`set_trailer`) and `sha256`
+    must be empty. `finish` returns the payload as a uint8 array (tensors view it without a copy).
     """
 
     def __init__(
@@ -186,33 +377,55 @@ class PayloadReceiver:
         sha256: str,
         max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES,
         max_chunk_bytes: int = CHUNK_BYTES,
+        sha256_in_trailer: bool = False,
     ) -> None:
-        if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-            raise CodecError("the header must carry the payload's sha256 as 64 lowercase hex digits")
-        if total_bytes > max_bytes:
-            raise CodecError(f"payload of {total_bytes} bytes exceeds the limit of {max_bytes} bytes", "size")
-        if total_bytes < 0:  # int64 on the wire
-            raise CodecError(f"payload of {total_bytes} bytes: a size cannot be negative", "size")
+        if sha256_in_trailer:
+            if sha256:
+                raise CodecError("the header announces a sha256 trailer and also carries a sha256: send one of them")
+        else:
+            check_sha256(sha256)
+        _check_size(total_bytes, max_bytes)
         self.max_chunk_bytes = max_chunk_bytes
         self.total_bytes = total_bytes
         self.expected_sha256 = sha256
-        self.buffer = bytearray(total_bytes)
+        self.sha256_in_trailer = sha256_in_trailer
+        self.trailer_received = False
+        self.buffer = TRANSFER_BUFFERS.take(total_bytes)
+        self._view = memoryview(self.buffer)
         self.received = 0
-        self._digest = hashlib.sha256()
+        self._hashed = 0  # bytes handed to the digest
+        self._digest = StreamDigest(background=total_bytes >= BACKGROUND_DIGEST_BYTES)
 
     def add(self, data: bytes) -> None:
+        if self.trailer_received:
+            raise CodecError("data arrived after the sha256 trailer")
         if not 0 < len(data) <= self.max_chunk_bytes:
             raise CodecError(f"data chunk of {len(data)} bytes: chunks carry 1..{self.max_chunk_bytes} bytes", "size")
         end = self.received + len(data)
         if end > self.total_bytes:
             raise CodecError(f"received {end} bytes but the header declared {self.total_bytes}", "size")
-        self.buffer[self.received : end] = data
-        self._digest.update(data)
+        self.buffer[self.received : end] = np.frombuffer(data, dtype=np.uint8)
         self.received = end
+        if end - self._hashed >= DIGEST_STEP_BYTES:  # hand over a few chunks at once: fewer GIL hand-offs
+            self._digest.update(self._view[self._hashed : end])
+            self._hashed = end
 
-    def finish(self) -> bytearray:
+    def set_trailer(self, sha256: str) -> None:
+        if not self.sha256_in_trailer:
+            raise CodecError("a sha256 trailer arrived but the header did not announce one")
+        if self.trailer_received:
+            raise CodecError("a second sha256 trailer arrived")
+        check_sha256(sha256, "the trailer")
+        self.expected_sha256 = sha256
+        self.trailer_received = True
+
+    def finish(self) -> np.ndarray:
         if self.received != self.total_bytes:
             raise CodecError(f"stream ended after {self.received} of {self.total_bytes} declared bytes", "size")
+        if self.sha256_in_trailer and not self.trailer_received:
+            raise CodecError("stream ended without the sha256 trailer its header announced")
+        self._digest.update(self._view[self._hashed : self.received])
+        self._hashed = self.received
         if self._digest.hexdigest() != self.expected_sha256:
             raise CodecError("payload sha256 does not match the header: data was corrupted or reordered", "integrity")
         return self.buffer
@@ -224,7 +437,7 @@ def validate_specs(specs: Sequence[tensor_pb2.TensorSpec], total_bytes: int) -> 
         raise CodecError(f"tensor specs declare {declared} bytes but the header says {total_bytes}", "size")
 
 
-def decode_tensors(specs: Sequence[tensor_pb2.TensorSpec], buffer: bytearray) -> list[tuple[str, torch.Tensor]]:
+def decode_tensors(specs: Sequence[tensor_pb2.TensorSpec], buffer: Buffer) -> list[tuple[str, torch.Tensor]]:
     """Tensors viewing consecutive slices of `buffer`, in spec order."""
     out: list[tuple[str, torch.Tensor]] = []
     offset = 0
@@ -250,3 +463,209 @@ def receive_bundle(
             raise CodecError("a second header arrived inside a chunk stream")
         receiver.add(chunk.data)
     return header, decode_tensors(header.tensors, receiver.finish())
+
+
+# -- concurrent range streams ------------------------------------------------------------------------------------------
+
+RangeOpener = Callable[[int, int], Iterator[tensor_pb2.Chunk]]
+
+
+def plan_segments(total_bytes: int, segment_bytes: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
+    """(offset, length) of the ranges a payload is fetched in: whole chunks, at most MAX_SEGMENTS of them."""
+    size = max(segment_bytes, math.ceil(total_bytes / MAX_SEGMENTS))
+    size = math.ceil(size / CHUNK_BYTES) * CHUNK_BYTES
+    return [(start, min(size, total_bytes - start)) for start in range(0, total_bytes, size)]
+
+
+class RangeReceiver:
+    """One payload received as byte ranges on concurrent streams into one buffer.
+
+    Each range's chunks arrive in order and must fill it exactly; the sha256 of the whole is fed front to back as the
+    ranges complete (ranges are handed out in order, so the hashed prefix follows the received one closely), and
+    `finish` compares it with the content address. A corrupted, reordered or truncated range fails like a stream."""
+
+    def __init__(self, total_bytes: int, sha256: str, segments: Sequence[tuple[int, int]], max_bytes: int) -> None:
+        check_sha256(sha256, "a blob reference")
+        _check_size(total_bytes, max_bytes)
+        if sum(n for _, n in segments) != total_bytes:  # pragma: no cover - plan_segments covers the payload
+            raise ValueError("segments do not cover the payload")
+        self.total_bytes = total_bytes
+        self.expected_sha256 = sha256
+        self.segments = list(segments)
+        self.buffer = TRANSFER_BUFFERS.take(total_bytes)
+        self._view = memoryview(self.buffer)
+        self._done = [False] * len(self.segments)
+        self._hashed = 0  # segments fed to the digest
+        self._lock = threading.Lock()
+        self._digest = StreamDigest(background=total_bytes >= BACKGROUND_DIGEST_BYTES)
+
+    def add(self, index: int, position: int, data: bytes) -> int:
+        """Write `data` at `position` of range `index` (the bytes received in it so far); the new position."""
+        offset, length = self.segments[index]
+        if not 0 < len(data) <= CHUNK_BYTES:
+            raise CodecError(f"data chunk of {len(data)} bytes: chunks carry 1..{CHUNK_BYTES} bytes", "size")
+        if position + len(data) > length:
+            raise CodecError(
+                f"range at {offset} received {position + len(data)} bytes, {length} were asked for", "size"
+            )
+        start = offset + position
+        self.buffer[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return position + len(data)
+
+    def complete(self, index: int, position: int) -> None:
+        offset, length = self.segments[index]
+        if position != length:
+            raise CodecError(f"range at {offset} ended after {position} of {length} bytes", "size")
+        with self._lock:
+            self._done[index] = True
+            while self._hashed < len(self.segments) and self._done[self._hashed]:
+                start, n = self.segments[self._hashed]
+                self._digest.update(self._view[start : start + n])
+                self._hashed += 1
+
+    def finish(self) -> np.ndarray:
+        if not all(self._done):
+            raise CodecError("not every range of the payload arrived", "size")
+        if self._digest.hexdigest() != self.expected_sha256:
+            raise CodecError(
+                "payload sha256 does not match the blob's address: data was corrupted or reordered", "integrity"
+            )
+        return self.buffer
+
+
+def fetch_ranges(
+    open_range: RangeOpener,
+    total_bytes: int,
+    sha256: str,
+    check_header: Callable[[tensor_pb2.BundleHeader], None],
+    max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES,
+    streams: int = FETCH_STREAMS,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> tuple[tensor_pb2.BundleHeader, np.ndarray]:
+    """Fetch the payload `sha256` of `total_bytes` as ranges on up to `streams` concurrent streams.
+
+    `open_range(offset, length)` opens one stream: a header, then the data of that range (length 0: to the end).
+    Every stream's header must describe the requested blob; `check_header` vets the first (layout, size). A blob of
+    one segment, or one stream, is one plain request for the whole payload. Raises CodecError for anything malformed
+    and whatever `open_range`'s streams raise (the other streams are cancelled)."""
+    segments = plan_segments(total_bytes, segment_bytes)
+    if len(segments) <= 1 or streams <= 1:
+        header, receiver = None, None
+        chunks = open_range(0, 0)
+        for chunk in chunks:
+            if header is None:
+                header = _range_header(chunk, total_bytes, sha256)
+                check_header(header)
+                receiver = PayloadReceiver(total_bytes, sha256, max_bytes)
+                continue
+            if chunk.WhichOneof("part") != "data":
+                raise CodecError("a second header arrived inside a chunk stream")
+            assert receiver is not None
+            receiver.add(chunk.data)
+        if header is None or receiver is None:
+            raise CodecError("the blob stream ended before its header")
+        return header, receiver.finish()
+
+    receiver_ranges = RangeReceiver(total_bytes, sha256, segments, max_bytes)
+    state = _FetchState()
+
+    def worker() -> None:
+        while not state.failed.is_set():
+            index = state.next_index(len(segments))
+            if index is None:
+                return
+            offset, length = segments[index]
+            chunks = open_range(offset, length)
+            state.track(chunks)
+            try:
+                position = -1  # before the header
+                for chunk in chunks:
+                    if state.failed.is_set():
+                        return
+                    if position < 0:
+                        state.header_seen(_range_header(chunk, total_bytes, sha256), check_header)
+                        position = 0
+                        continue
+                    if chunk.WhichOneof("part") != "data":
+                        raise CodecError("a second header arrived inside a chunk stream")
+                    position = receiver_ranges.add(index, position, chunk.data)
+                if position < 0:
+                    raise CodecError(f"the stream of range at {offset} ended before its header")
+                receiver_ranges.complete(index, position)
+            finally:
+                state.untrack(chunks)
+
+    def run() -> None:
+        try:
+            worker()
+        except BaseException as err:  # the first failure stops every stream and is raised to the caller
+            state.fail(err)
+
+    threads = [threading.Thread(target=run, name=f"fetch-{i}", daemon=True) for i in range(min(streams, len(segments)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if state.error is not None:
+        raise state.error
+    assert state.header is not None
+    return state.header, receiver_ranges.finish()
+
+
+def _range_header(chunk: tensor_pb2.Chunk, total_bytes: int, sha256: str) -> tensor_pb2.BundleHeader:
+    if chunk.WhichOneof("part") != "header":
+        raise CodecError("the blob stream did not start with a header")
+    header = chunk.header
+    if header.sha256 != sha256 or header.total_bytes != total_bytes:
+        raise CodecError(
+            f"the stream is not the requested blob: it describes {header.sha256[:16]!r} of {header.total_bytes} "
+            f"bytes, {sha256[:16]!r} of {total_bytes} bytes was asked for"
+        )
+    validate_specs(header.tensors, header.total_bytes)
+    return header
+
+
+class _FetchState:
+    """What fetch_ranges' streams share: the next range, the header, the first error and the open calls."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.failed = threading.Event()
+        self.error: BaseException | None = None
+        self.header: tensor_pb2.BundleHeader | None = None
+        self._next = 0
+        self._open: list[object] = []
+
+    def next_index(self, count: int) -> int | None:
+        with self.lock:
+            if self._next >= count:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def header_seen(self, header: tensor_pb2.BundleHeader, check: Callable[[tensor_pb2.BundleHeader], None]) -> None:
+        with self.lock:
+            if self.header is None:
+                check(header)
+                self.header = header
+            elif header != self.header:
+                raise CodecError("the streams of one blob disagree on its header")
+
+    def track(self, call: object) -> None:
+        with self.lock:
+            self._open.append(call)
+
+    def untrack(self, call: object) -> None:
+        with self.lock:
+            self._open.remove(call)
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = err
+            self.failed.set()
+            calls = list(self._open)
+        for call in calls:  # gRPC response iterators can be cancelled; the others end on their own
+            cancel = getattr(call, "cancel", None)
+            if callable(cancel):
+                cancel()

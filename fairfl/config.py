@@ -262,6 +262,18 @@ class RuntimeConfig:
             raise ConfigError(f"{path}.device: expected 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
 
+@dataclass
+class TransportConfig:
+    # The dtype clients send their result tensors in (UPDATE, GRADIENT, FIRST_STEP_UPDATE): float32 is lossless;
+    # float16 and bfloat16 halve the upload and round every value (relative error up to 2^-11 and 2^-8; float16
+    # overflows beyond ±65504, which the agent refuses to send). The aggregator decodes them to float32 and refuses
+    # results in any other dtype. Models always travel as float32.
+    update_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    def validate(self, path: str) -> None:
+        pass  # the only field is a choice, checked when the config is read
+
+
 PRIVACY_STRATEGIES = ("fedavg", "fedprox", "fedfair", "qffl")  # strategies with a DP procedure (spec seed-fedfdp §7)
 
 
@@ -335,6 +347,7 @@ class ExperimentConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
     output_dir: str = "runs"
 
     def validate(self, path: str = "") -> None:

@@ -6,6 +6,7 @@ vector's bytes split by tensor, so decoding a received model or update is a zero
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -14,11 +15,27 @@ from torch import nn
 from fairfl import codec
 from fairfl.v1 import tensor_pb2
 
+# transport.update_dtype → the wire dtype of result payloads. float32 is lossless; the others are lossy compression.
+PAYLOAD_DTYPES: dict[str, int] = {
+    "float32": tensor_pb2.DTYPE_FLOAT32,
+    "float16": tensor_pb2.DTYPE_FLOAT16,
+    "bfloat16": tensor_pb2.DTYPE_BFLOAT16,
+}
+
 
 @dataclass(frozen=True)
 class ParamLayout:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    # The dtype result payloads (updates, gradients) travel in: the run's transport.update_dtype. Models always
+    # travel as float32, and a received payload is float32 once decoded.
+    payload_dtype: int = tensor_pb2.DTYPE_FLOAT32
+
+    def with_payload_dtype(self, name: str) -> ParamLayout:
+        """This layout with result payloads sent as `name` (a transport.update_dtype value)."""
+        if name not in PAYLOAD_DTYPES:
+            raise ValueError(f"update dtype {name!r} is not one of {', '.join(PAYLOAD_DTYPES)}")
+        return dataclasses.replace(self, payload_dtype=PAYLOAD_DTYPES[name])
 
     @classmethod
     def of(cls, model: nn.Module) -> ParamLayout:
@@ -37,9 +54,14 @@ class ParamLayout:
     def nbytes(self) -> int:
         return self.numel * 4
 
-    def specs(self) -> list[tensor_pb2.TensorSpec]:
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of one result payload on the wire (payload_dtype)."""
+        return self.numel * codec.ITEMSIZE[self.payload_dtype]
+
+    def specs(self, dtype: int = tensor_pb2.DTYPE_FLOAT32) -> list[tensor_pb2.TensorSpec]:
         return [
-            tensor_pb2.TensorSpec(name=n, dtype=tensor_pb2.DTYPE_FLOAT32, shape=list(s))
+            tensor_pb2.TensorSpec(name=n, dtype=dtype, shape=list(s))  # type: ignore[arg-type]
             for n, s in zip(self.names, self.shapes, strict=True)
         ]
 
@@ -48,16 +70,19 @@ class ParamLayout:
         parts = torch.split(flat, self.sizes)
         return [(n, p.view(s)) for n, p, s in zip(self.names, parts, self.shapes, strict=True)]
 
-    def check_specs(self, specs: list[tensor_pb2.TensorSpec]) -> None:
-        """Raise CodecError naming the first tensor whose name, dtype or shape differs from the model's."""
+    def check_specs(self, specs: list[tensor_pb2.TensorSpec], dtype: int = tensor_pb2.DTYPE_FLOAT32) -> None:
+        """Raise CodecError naming the first tensor whose name, dtype or shape differs from the model's (in `dtype`:
+        float32 for models, the run's payload_dtype for results)."""
         if len(specs) != len(self.names):
             raise codec.CodecError(f"expected {len(self.names)} tensors matching the model, got {len(specs)}", "layout")
         for spec, name, shape in zip(specs, self.names, self.shapes, strict=True):
             if spec.name != name:
                 raise codec.CodecError(f"tensor {spec.name[:100]!r} where the model has {name!r}", "layout")
-            if spec.dtype != tensor_pb2.DTYPE_FLOAT32:
+            if spec.dtype != dtype:
+                hint = " (the run's transport.update_dtype)" if dtype != tensor_pb2.DTYPE_FLOAT32 else ""
                 raise codec.CodecError(
-                    f"tensor {name!r}: dtype {codec.dtype_name(spec.dtype)}, expected DTYPE_FLOAT32", "layout"
+                    f"tensor {name!r}: dtype {codec.dtype_name(spec.dtype)}, expected {codec.dtype_name(dtype)}{hint}",
+                    "layout",
                 )
             if tuple(spec.shape) != shape:
                 raise codec.CodecError(

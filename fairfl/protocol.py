@@ -6,7 +6,6 @@ Both transports produce `ClientResult`: the in-process one directly, the gRPC on
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ import torch
 from fairfl import codec
 from fairfl.params import ParamLayout
 from fairfl.rpc import CHUNK_BYTES
-from fairfl.v1 import common_pb2, federation_pb2
+from fairfl.v1 import common_pb2, federation_pb2, tensor_pb2
 
 PayloadKind = int  # federation_pb2.PayloadKind value
 UPDATE = federation_pb2.PAYLOAD_KIND_UPDATE
@@ -58,14 +57,23 @@ class ClientResult:
 
 
 def encode_result(
-    result: ClientResult, layout: ParamLayout, chunk_bytes: int = CHUNK_BYTES
+    result: ClientResult, layout: ParamLayout, chunk_bytes: int = CHUNK_BYTES, sha256_in_trailer: bool = False
 ) -> Iterator[federation_pb2.ResultChunk]:
-    """Header first, then the payload bytes (payloads in kind order, tensors in layout order) in chunks."""
+    """Header first, then the payload bytes (payloads in kind order, tensors in layout order) in chunks.
+
+    Payloads travel in `layout.payload_dtype` (the run's transport.update_dtype); a lossy cast that leaves values that
+    are not finite (float16 overflows beyond ±65504) raises CodecError before anything is sent. With
+    `sha256_in_trailer` the digest is computed while the chunks stream and sent after them (ResultTrailer), so a large
+    update is not read once to hash it and once more to send it; otherwise it is in the header.
+    """
     kinds = sorted(result.payloads)
-    bundles = [layout.encode(result.payloads[k]) for k in kinds]
-    digest_buffers = [buf for b in bundles for buf in b.buffers]
-    digest = hashlib.sha256()
-    for buf in digest_buffers:
+    wire = [_wire_payload(k, result.payloads[k], layout.payload_dtype) for k in kinds]
+    buffers = [codec.tensor_bytes(t) for t in wire]
+    total = sum(len(b) for b in buffers)
+    # In a trailer, the digest is computed on a worker thread while the chunks are cut and sent (the whole payload is
+    # there already); in the header, before anything is sent.
+    digest = codec.StreamDigest(background=sha256_in_trailer and total >= codec.BACKGROUND_DIGEST_BYTES)
+    for buf in buffers:
         digest.update(buf)
     header = federation_pb2.ResultHeader(
         task_id=result.task_id,
@@ -81,17 +89,50 @@ def encode_result(
         test_loss=result.test_loss,
         noisy_loss=result.noisy_loss,
         metrics=[common_pb2.Metric(name=k, value=v) for k, v in result.metrics.items()],
-        payloads=[federation_pb2.Payload(kind=k, tensors=b.specs) for k, b in zip(kinds, bundles, strict=True)],  # type: ignore[arg-type]
-        total_bytes=sum(b.total_bytes for b in bundles),
-        sha256=digest.hexdigest(),
+        payloads=[federation_pb2.Payload(kind=k, tensors=layout.specs(layout.payload_dtype)) for k in kinds],  # type: ignore[arg-type]
+        total_bytes=total,
+        sha256="" if sha256_in_trailer else digest.hexdigest(),
+        sha256_in_trailer=sha256_in_trailer,
     )
     if result.bias_update is not None:
         header.bias_update.CopyFrom(codec.tensor_to_proto("bias_update", result.bias_update))
     if result.activation is not None:
         header.activation.CopyFrom(codec.tensor_to_proto("activation", result.activation))
     yield federation_pb2.ResultChunk(header=header)
-    for piece in codec.iter_byte_chunks(digest_buffers, chunk_bytes):
+    if not sha256_in_trailer:
+        for piece in codec.iter_byte_chunks(buffers, chunk_bytes):
+            yield federation_pb2.ResultChunk(data=piece)
+        return
+    for piece in codec.iter_byte_chunks(buffers, chunk_bytes):
         yield federation_pb2.ResultChunk(data=piece)
+    yield federation_pb2.ResultChunk(trailer=federation_pb2.ResultTrailer(sha256=digest.hexdigest()))
+
+
+def _wire_payload(kind: int, flat: torch.Tensor, dtype: int) -> torch.Tensor:
+    """A flat payload as the contiguous CPU tensor of its wire dtype (no copy for float32 on the CPU)."""
+    flat = flat.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if dtype == tensor_pb2.DTYPE_FLOAT32:
+        wire = flat.to(torch.float32).contiguous()  # no copy for a float32 payload
+    else:  # into a reused buffer: a fresh one would cost more in page faults than the cast
+        nbytes = flat.numel() * codec.ITEMSIZE[dtype]
+        wire = torch.from_numpy(codec.TRANSFER_BUFFERS.take(nbytes)).view(codec.TORCH_DTYPES[dtype])
+        wire.copy_(flat.reshape(-1))
+    if dtype != tensor_pb2.DTYPE_FLOAT32 and not codec.all_finite(wire):
+        name = federation_pb2.PayloadKind.Name(kind)  # type: ignore[arg-type]
+        if not codec.all_finite(flat):
+            raise codec.CodecError(f"{name} contains NaN or infinite values", "non_finite")
+        largest = float(flat.abs().max())
+        raise codec.CodecError(
+            f"{name} overflows {codec.dtype_name(dtype)}: its largest magnitude is {largest:.6g}, beyond "
+            f"{torch.finfo(wire.dtype).max:.6g}; set transport.update_dtype to bfloat16 or float32",
+            "non_finite",
+        )
+    return wire
+
+
+ResultPart = bytes | federation_pb2.ResultTrailer  # what follows a ResultHeader in a result stream
 
 
 class ResultAssembler:
@@ -106,8 +147,8 @@ class ResultAssembler:
         for payload in header.payloads:
             if payload.kind not in (UPDATE, GRADIENT, FIRST_STEP_UPDATE):
                 raise codec.CodecError(f"unknown payload kind {payload.kind}", "layout")
-            layout.check_specs(list(payload.tensors))
-        expected = layout.nbytes * len(header.payloads)
+            layout.check_specs(list(payload.tensors), layout.payload_dtype)
+        expected = layout.payload_nbytes * len(header.payloads)
         if header.total_bytes != expected:
             raise codec.CodecError(
                 f"header declares {header.total_bytes} payload bytes, the model needs {expected}", "size"
@@ -120,23 +161,30 @@ class ResultAssembler:
         bad = [m.name[:64] for m in header.metrics if not math.isfinite(m.value)]
         if bad:  # strategies and the engine read them (local_steps, train_loss)
             raise codec.CodecError(f"metrics {bad[:5]} are NaN or infinite", "non_finite")
-        self.receiver = codec.PayloadReceiver(header.total_bytes, header.sha256, max_bytes=expected)
+        self.receiver = codec.PayloadReceiver(
+            header.total_bytes, header.sha256, max_bytes=expected, sha256_in_trailer=header.sha256_in_trailer
+        )
 
-    def add(self, data: bytes) -> None:
-        self.receiver.add(data)
+    def add(self, part: ResultPart) -> None:
+        """The next part of the stream after the header: a data chunk's bytes, or the trailer with the sha256."""
+        if isinstance(part, federation_pb2.ResultTrailer):
+            self.receiver.set_trailer(part.sha256)
+        else:
+            self.receiver.add(part)
 
     def finish(self) -> ClientResult:
         buffer = self.receiver.finish()
         h = self.header
+        dtype = codec.TORCH_DTYPES[self.layout.payload_dtype]
         payloads: dict[int, torch.Tensor] = {}
         for i, payload in enumerate(h.payloads):
-            start = i * self.layout.nbytes
-            flat = torch.frombuffer(buffer, dtype=torch.float32, count=self.layout.numel, offset=start)
-            if not bool(torch.isfinite(flat).all()):
+            start = i * self.layout.payload_nbytes
+            wire = torch.frombuffer(buffer, dtype=dtype, count=self.layout.numel, offset=start)  # no copy
+            if not codec.all_finite(wire):
                 raise codec.CodecError(
                     f"{federation_pb2.PayloadKind.Name(payload.kind)} contains NaN or infinite values", "non_finite"
                 )
-            payloads[payload.kind] = flat
+            payloads[payload.kind] = wire if dtype == torch.float32 else _as_float32(wire)
         result = ClientResult(
             task_id=h.task_id,
             run_id=h.run_id,
@@ -157,6 +205,12 @@ class ResultAssembler:
         )
         check_result(result)
         return result
+
+
+def _as_float32(wire: torch.Tensor) -> torch.Tensor:
+    """A half-precision payload widened to float32 (exact), into a reusable receive buffer."""
+    out = torch.from_numpy(codec.TRANSFER_BUFFERS.take(wire.numel() * 4)).view(torch.float32)
+    return out.copy_(wire)
 
 
 def check_result(result: ClientResult) -> None:

@@ -253,7 +253,7 @@ class Payload(_message.Message):
     def __init__(self, kind: _Optional[_Union[PayloadKind, str]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("task_id", "run_id", "round", "client_id", "phase", "agent_id", "num_samples", "loss_before", "loss_after", "test_accuracy", "test_loss", "metrics", "bias_update", "activation", "payloads", "total_bytes", "sha256", "noisy_loss")
+    __slots__ = ("task_id", "run_id", "round", "client_id", "phase", "agent_id", "num_samples", "loss_before", "loss_after", "test_accuracy", "test_loss", "metrics", "bias_update", "activation", "payloads", "total_bytes", "sha256", "noisy_loss", "sha256_in_trailer")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class ResultHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     NOISY_LOSS_FIELD_NUMBER: _ClassVar[int]
+    SHA256_IN_TRAILER_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     round: int
@@ -290,15 +291,24 @@ class ResultHeader(_message.Message):
     total_bytes: int
     sha256: str
     noisy_loss: float
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., client_id: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., agent_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., loss_before: _Optional[float] = ..., loss_after: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., bias_update: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., activation: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[Payload, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., noisy_loss: _Optional[float] = ...) -> None: ...
+    sha256_in_trailer: bool
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., client_id: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., agent_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., loss_before: _Optional[float] = ..., loss_after: _Optional[float] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., metrics: _Optional[_Iterable[_Union[_common_pb2.Metric, _Mapping]]] = ..., bias_update: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., activation: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[Payload, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., noisy_loss: _Optional[float] = ..., sha256_in_trailer: _Optional[bool] = ...) -> None: ...
+
+class ResultTrailer(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
 class ResultChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: ResultHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    trailer: ResultTrailer
+    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[ResultTrailer, _Mapping]] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted",)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x61irfl/v1/tensor.proto\x12\tfairfl.v1\"J\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.fairfl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\";\n\x06Tensor\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.fairfl.v1.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"[\n\x0c\x42undleHeader\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.fairfl.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"J\n\x05\x43hunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fairfl.v1.BundleHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\".\n\x07\x42lobRef\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0f\n\x0b\x44TYPE_INT32\x10\x08\x12\x0f\n\x0b\x44TYPE_INT64\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\nb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x61irfl/v1/tensor.proto\x12\tfairfl.v1\"J\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.fairfl.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\";\n\x06Tensor\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.fairfl.v1.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"[\n\x0c\x42undleHeader\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.fairfl.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"J\n\x05\x43hunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fairfl.v1.BundleHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"N\n\x07\x42lobRef\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0f\n\x0b\x44TYPE_INT32\x10\x08\x12\x0f\n\x0b\x44TYPE_INT64\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\nb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fairfl.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=392
-  _globals['_DTYPE']._serialized_end=599
+  _globals['_DTYPE']._serialized_start=424
+  _globals['_DTYPE']._serialized_end=631
   _globals['_TENSORSPEC']._serialized_start=37
   _globals['_TENSORSPEC']._serialized_end=111
   _globals['_TENSOR']._serialized_start=113
@@ -42,5 +42,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=267
   _globals['_CHUNK']._serialized_end=341
   _globals['_BLOBREF']._serialized_start=343
-  _globals['_BLOBREF']._serialized_end=389
+  _globals['_BLOBREF']._serialized_end=421
 # @@protoc_insertion_point(module_scope)

@@ -69,9 +69,13 @@ class Chunk(_message.Message):
     def __init__(self, header: _Optional[_Union[BundleHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class BlobRef(_message.Message):
-    __slots__ = ("sha256", "total_bytes")
+    __slots__ = ("sha256", "total_bytes", "offset", "length")
     SHA256_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     sha256: str
     total_bytes: int
-    def __init__(self, sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    offset: int
+    length: int
+    def __init__(self, sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...

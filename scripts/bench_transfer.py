@@ -1,0 +1,279 @@
+"""Transfer speed of a ~1 GiB model down to an agent and a ~1 GiB update back up, over mutual TLS on loopback.
+
+    python scripts/bench_transfer.py                  # ~1 GiB, 3 repeats, lossless + float16 + bfloat16 updates
+    python scripts/bench_transfer.py --json out.json  # also write the final JSON line to a file
+    python scripts/bench_transfer.py --hidden 4096 4096 --repeats 5 --dtypes float32
+
+What it measures: an aggregator process (`python -m aggregator_service`, mTLS with an ephemeral CA as `fairfl run`
+deploys it, gRPC's per-message limit at its 4 MiB default) runs one experiment whose MLP (synthetic data, 60 inputs,
+hidden 16384 x 16384) has ~270M float32 parameters, so the global model it publishes is a ~1 GiB blob. This process
+is the client agent: `client_agent.agent.Agent` registers, takes the round's TRAIN tasks and
+- down: fetches the published model with the agent's own fetch (`Agent._fetch_model`: FetchBlob streams, sha256 and
+  layout checks; its model cache is emptied before each repeat so every repeat moves the whole blob);
+- up: submits one ~1 GiB UPDATE per task with the agent's own submit (`Agent.submit`: encode, stream, wait for the
+  reply), which the aggregator accepts only after `FederationState.accept`'s checks (task, identity, layout, size,
+  sha256, finiteness). The update is random (no training: this times the wire, not SGD).
+GB/s = the model's float32 bytes / wall seconds of one call (median over repeats). With `transport.update_dtype`
+float16 or bfloat16 the agent sends half the bytes (lossy); those figures are reported separately, still as float32
+bytes per second (how fast a 1 GiB float32 update gets through), next to the bytes that actually crossed the wire.
+A run per update dtype; each takes one round. Runs in about a minute and a half on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from client_agent.agent import FETCH_STREAMS, Agent  # noqa: E402
+from fairfl import telemetry  # noqa: E402
+from fairfl.config import experiment_from_dict  # noqa: E402
+from fairfl.launcher import LocalCluster  # noqa: E402
+from fairfl.protocol import TRAIN, UPDATE, ClientResult  # noqa: E402
+from fairfl.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES  # noqa: E402
+from fairfl.tls import ROLE_AGENT  # noqa: E402
+from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2  # noqa: E402
+
+torch.set_num_threads(1)
+GB = 1e9
+
+
+def experiment(hidden: list[int], repeats: int, update_dtype: str, strategy: str) -> dict:
+    return {
+        "name": "bench-transfer",
+        "seed": 0,
+        # One client, one round per upload: each round's result is aggregated and dropped before the next arrives.
+        # The last round (evaluated) is never reached: the run is stopped after the uploads.
+        "rounds": repeats + 1,
+        "data": {"dataset": "synthetic", "num_clients": 1},
+        "model": {"name": "mlp", "hidden": hidden},
+        "training": {"local_steps": 1, "batch_size": 8},
+        "strategy": {"name": strategy},
+        "selection": {"method": "full", "clients_per_round": 1},
+        "runtime": {"agents": 1, "round_timeout_s": 600, "register_timeout_s": 120, "device": "cpu"},
+        "transport": {"update_dtype": update_dtype},
+    }
+
+
+def next_train_task(agent: Agent, timeout: float = 120.0) -> federation_pb2.Task:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = agent.stub.PollTasks(
+            federation_pb2.PollRequest(agent_id=agent.agent_id, max_tasks=1, wait_seconds=5.0), timeout=30
+        )
+        for task in reply.tasks:
+            if task.phase == TRAIN:
+                return task
+    raise TimeoutError(f"no training task within {timeout:.0f}s")
+
+
+class Timed:
+    """Wall seconds of a block, and the CPU seconds this process (the agent) and the aggregator spent in it."""
+
+    def __init__(self, aggregator_pid: int) -> None:
+        self.pid = aggregator_pid
+
+    def __enter__(self) -> Timed:
+        self.cpu0, self.agg0 = _own_cpu(), _process_cpu(self.pid)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        self.agent_cpu = _own_cpu() - self.cpu0
+        self.aggregator_cpu = _process_cpu(self.pid) - self.agg0
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a child process (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(
+    cluster: LocalCluster,
+    address: str,
+    aggregator_pid: int,
+    args: argparse.Namespace,
+    update_dtype: str,
+    measure_down: bool,
+) -> dict:
+    config = experiment_from_dict(experiment(args.hidden, args.repeats, update_dtype, args.strategy))
+    run_id = f"bench-transfer-{update_dtype}"
+    security = cluster.issue(f"bench-agent-{update_dtype}", ROLE_AGENT, [(0, 0)])
+    agent = Agent(address, [0], device="cpu", name="bench", security=security)
+    with cluster.open_channel(address) as operator:
+        control = control_pb2_grpc.RunControlStub(operator)
+        started = time.perf_counter()
+        agent._register()
+        threading.Thread(target=agent._heartbeats, name="heartbeat", daemon=True).start()  # or its tasks close
+        control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30)
+        try:
+            task = next_train_task(agent)
+            runtime = agent._runtime(run_id)
+            layout = runtime.layout
+            out: dict = {"model_params": layout.numel, "model_bytes": layout.nbytes}
+            print(f"{update_dtype}: run set up in {time.perf_counter() - started:.1f}s", flush=True)
+            if measure_down:
+                down = []
+                for _ in range(args.repeats):
+                    agent.models.clear()  # the cache by sha256 would answer the next fetch without the wire
+                    with Timed(aggregator_pid) as timed:
+                        agent._fetch_model(task.model)
+                    down.append(timed)
+                out["down"] = down
+            update = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0)).mul_(1e-3)
+            up, wire = [], []
+            for repeat in range(args.repeats):
+                if repeat:
+                    task = next_train_task(agent)  # the next round, after the aggregator folded this one in
+                result = ClientResult(
+                    task_id=task.task_id,
+                    run_id=task.run_id,
+                    round=task.round,
+                    client_id=task.client_id,
+                    phase=TRAIN,
+                    num_samples=100,
+                    loss_before=1.0,
+                    loss_after=0.9,
+                    payloads={UPDATE: update},
+                    agent_id=agent.agent_id,
+                )
+                sent_before = _sent_bytes()
+                with Timed(aggregator_pid) as timed:
+                    agent.submit(result, runtime)
+                up.append(timed)
+                wire.append(_sent_bytes() - sent_before)
+            out["up"] = up
+            out["up_wire_bytes"] = int(statistics.median(wire))
+            return out
+        finally:
+            control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason="benchmark done"), timeout=30)
+            agent.stop.set()
+            agent.channel.close()
+            deadline = time.monotonic() + 60  # the engine ends the run at its next step; one run at a time
+            while time.monotonic() < deadline:
+                status = control.GetRun(control_pb2.GetRunRequest(run_id=run_id), timeout=30)
+                if status.state not in (control_pb2.RUN_STATE_PENDING, control_pb2.RUN_STATE_RUNNING):
+                    break
+                time.sleep(0.2)
+
+
+def _sent_bytes() -> float:
+    """The agent's own count of result-stream bytes it sent (serialised chunks: what crossed the wire, less framing)."""
+    (family,) = telemetry.AGENT_SENT_BYTES.collect()
+    return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[16384, 16384], help="MLP hidden widths")
+    parser.add_argument("--repeats", type=int, default=3, help="transfers each way per variant (median reported)")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "float16", "bfloat16"], choices=["float32", "float16", "bfloat16"]
+    )
+    parser.add_argument(
+        "--strategy",
+        default="afl",
+        help="the run's strategy (default afl: aggregates at the end of the round; FedAvg's streaming fold runs "
+        "inside SubmitResult, so with fedavg an upload also times aggregation)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the final JSON line to this file")
+    args = parser.parse_args()
+    if "float32" not in args.dtypes:
+        args.dtypes.insert(0, "float32")  # the lossless figures are the point; the others are extras
+    runs: dict[str, dict] = {}
+    wall = time.perf_counter()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-transfer-") as tmp,
+        LocalCluster(Path(tmp) / "logs", metrics=False) as cluster,
+    ):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+        aggregator = cluster.start_service("aggregator", "aggregator_service", ["--rate-limit", "0"])
+        for dtype in args.dtypes:
+            runs[dtype] = one_run(
+                cluster, aggregator.address, aggregator.process.pid, args, dtype, measure_down=dtype == "float32"
+            )
+            r = runs[dtype]
+            if "down" in r:
+                print(_line("down", "float32", r["model_bytes"], r["down"]), flush=True)
+            print(_line("up", dtype, r["model_bytes"], r["up"]), flush=True)
+    lossless = runs["float32"]
+    nbytes = lossless["model_bytes"]
+    figures: dict = {
+        "benchmark": "transfer",
+        "tls": True,
+        "max_message_bytes": MAX_MESSAGE_BYTES,
+        "chunk_bytes": CHUNK_BYTES,
+        "fetch_streams": FETCH_STREAMS,
+        "repeats": args.repeats,
+        "strategy": args.strategy,
+        "model_params": lossless["model_params"],
+        "bytes_moved": nbytes,
+        "down_gbps": _gbps(nbytes, lossless["down"]),
+        "up_gbps": _gbps(nbytes, lossless["up"]),
+        **_details("down", lossless["down"]),
+        **_details("up", lossless["up"]),
+        "up_wire_bytes": lossless["up_wire_bytes"],
+    }
+    for dtype in args.dtypes:
+        if dtype != "float32":  # lossy: reported apart, as float32 bytes per second (how fast the update got through)
+            r = runs[dtype]
+            figures[f"up_{dtype}_gbps"] = _gbps(nbytes, r["up"])
+            figures.update(_details(f"up_{dtype}", r["up"]))
+            figures[f"up_{dtype}_wire_bytes"] = r["up_wire_bytes"]
+    figures["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform(terse=True)}"
+    figures["wall_seconds"] = round(time.perf_counter() - wall, 1)
+    line = json.dumps(figures)
+    print(line)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(line + "\n")
+    return 0
+
+
+def _gbps(nbytes: int, timings: list[Timed]) -> float:
+    return round(nbytes / statistics.median(t.seconds for t in timings) / GB, 3) if timings else math.nan
+
+
+def _details(key: str, timings: list[Timed]) -> dict[str, list[float]]:
+    return {
+        f"{key}_seconds": [round(t.seconds, 3) for t in timings],
+        f"{key}_agent_cpu_seconds": [round(t.agent_cpu, 2) for t in timings],
+        f"{key}_aggregator_cpu_seconds": [round(t.aggregator_cpu, 2) for t in timings],
+    }
+
+
+def _line(direction: str, dtype: str, nbytes: int, timings: list[Timed]) -> str:
+    each = ", ".join(f"{t.seconds:.2f}" for t in timings)
+    cpu = ", ".join(f"{t.agent_cpu:.1f}+{t.aggregator_cpu:.1f}" for t in timings)
+    return (
+        f"{direction:4s} {dtype:8s} {nbytes / GB:.3f} GB: median {_gbps(nbytes, timings):.3f} GB/s "
+        f"(wall {each} s; CPU agent+aggregator {cpu} s)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
