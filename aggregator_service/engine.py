@@ -27,6 +27,7 @@ from aggregator_service.strategies import RoundContext, Strategy, build_strategy
 from aggregator_service.strategies.base import train_results
 from aggregator_service.strategies.fold import ResultFold
 from client_agent.trainer import build_global_model
+from fairfl import codec
 from fairfl.config import ExperimentConfig
 from fairfl.data.groups import client_groups
 from fairfl.metrics.fairness import fairness_report
@@ -402,7 +403,7 @@ class RoundEngine:
                 outcome_agg = self.dp.aggregate(ctx, phases)
             else:
                 outcome_agg = self.strategy.aggregate(ctx, phases)
-            if not bool(torch.isfinite(outcome_agg.params).all()):
+            if not codec.all_finite(outcome_agg.params):  # one sum, not an element-wise pass (1 GiB models)
                 raise RuntimeError(f"round {round_number}: aggregation produced non-finite parameters")
             self.params = outcome_agg.params
             self.failed_rounds = 0
