@@ -390,14 +390,12 @@ def run_grpc_traced(
 
     from fairfl.cli import follow_run
     from fairfl.launcher import LocalCluster
-    from fairfl.rpc import use_security
     from fairfl.v1 import control_pb2, control_pb2_grpc
 
     run_id = f"bench-{config.name}-{int(time.time())}"
     trace = RunTrace(run_id, config)
     python = sys.executable if profile_dir is None else str(_profiling_python(profile_dir))
     with LocalCluster(workdir / "logs", python=python, tls=tls, tls_dir=workdir / "tls") as cluster:
-        use_security(cluster.security)  # peers this process opens (e.g. RemotePrivacy) dial as the operator
         aggregator, _, _ = cluster.start_services(workdir, ["--checkpoint-dir", str(workdir / "checkpoints")])
         with _maybe_proxy(aggregator.address, proxy) as counting:
             address = counting.address if counting is not None else aggregator.address
@@ -447,7 +445,6 @@ def run_grpc_traced(
             if counting is not None:
                 trace.bytes_to_server, trace.bytes_to_client = counting.counts()
                 trace.proxy_connections = counting.connections
-        use_security(None)
     if profile_dir is not None:  # the children wrote <pid>.stacks as they exited
         for name, pid in pids.items():
             written = profile_dir / f"{pid}.stacks"
