@@ -319,18 +319,22 @@ class FederationState:
                 batch.results[result.client_id] = result
                 self.lock.notify_all()
                 return
+            if batch.error is not None:  # the phase already failed: its aggregate is void, nothing to fold into
+                return
             batch.folding += 1
         # Folded outside the lock (a big update takes a while) but before the phase can close: execute() waits for
         # `folding` to drain, so every accepted result is in the aggregate and none arrives after it was formed.
+        folded = False
         try:
             batch.sink(result)
+            folded = True
         except Exception as err:  # not the client's fault (it was accepted): the phase fails with it
             log.exception("folding the result of task %s failed", header.task_id)
             batch.error = err
         finally:
             with self.lock:
                 batch.folding -= 1
-                if batch.error is None:
+                if folded and batch.error is None:
                     batch.results[result.client_id] = result
                 self.lock.notify_all()
 
@@ -413,7 +417,12 @@ class GrpcTransport(ClientTransport):
                 state.open_tasks[task.task_id] = batch
                 agent.queue.append(task)
             state.lock.notify_all()
-            while batch.pending and len(batch.results) + batch.folding < batch.wanted and not self.stop.is_set():
+            while (
+                batch.pending
+                and len(batch.results) + batch.folding < batch.wanted
+                and batch.error is None
+                and not self.stop.is_set()
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

@@ -222,6 +222,7 @@ class FedEBAPlus(FedEBA):
         scale = ctx.train_config.lr if self.params.fair_gradient == "one_step_update" else 1.0
         cfg = self._train(ctx)
         cfg.alignment.fair_gradient.CopyFrom(ctx.publish(fold.sum.weighted_mean(scale)))
+        ctx.folds.pop(probe_index, None)  # g̃ is published: free the probe's accumulator before training
         cfg.alignment.alpha = self.params.alpha
         return PhasePlan(phase=TRAIN, train=cfg, clients=[r.client_id for r in phases[probe_index]])
 
@@ -307,6 +308,9 @@ class PracFedEBAPlus(FedEBAPlus):
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:
         return PhasePlan(phase=TRAIN, train=self._train(ctx)) if phase_index == 0 else None
+
+    def folds(self, ctx: RoundContext, phase_index: int, plan: PhasePlan) -> list[ResultFold]:
+        return []  # not streamed: its weights mix two softmaxes and a branch chosen from every loss of the round
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
         results = train_results(phases)

@@ -7,7 +7,9 @@ must not depend on it, or a run would stop being reproducible (and stop matching
 - every weight is a float32 mantissa times a power of two (`Weight`), so weight × float32 coordinate is exact in
   float64 (24 + 24 significant bits);
 - the exact products are summed in double-double (hi + lo, Knuth's TwoSum per coordinate), whose rounding error
-  (~2^-100 of the terms) is far below a float32 ulp, so any order rounds to the same float32 result;
+  (~2^-100 of the terms) is far below a float32 ulp, so any order rounds to the same float32 result. Not a proof:
+  `lo` is itself a float64 sum, so terms that cancel across more than ~100 binary orders of magnitude (1, −1 and
+  2^-120 in one coordinate) can still round by order; for real updates that is ~n·2^-80 per coordinate;
 - softmax weights exp(s_i) keep a running maximum exponent (a running log-sum-exp): when a larger one arrives the
   accumulator is rescaled by a power of two, which is exact, so no exp() ever overflows and no order is favoured.
 
@@ -51,6 +53,7 @@ def _split(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 _LN2 = math.log(2.0)
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,10 @@ class Weight:
         """A weight given directly (sample counts, q-FFL's L·F^q); rounded to float32's 24 significant bits."""
         if not math.isfinite(value):
             raise ValueError(f"aggregation weight must be finite, got {value}")
-        mantissa, exponent = math.frexp(float(np.float32(value)))
+        rounded = float(np.float32(value)) if abs(value) <= F32_MAX else math.inf
+        if math.isinf(rounded) or (rounded == 0.0 and value != 0.0):
+            raise ValueError(f"aggregation weight {value} is outside float32's range; pass it as a log-weight (exp)")
+        mantissa, exponent = math.frexp(rounded)
         return cls(mantissa, exponent)
 
     @classmethod
@@ -148,9 +154,16 @@ class ExactSum:
         return math.fsum(w.scaled(self.reference) for w in self.weights)
 
     def scaled_sum(self, scale: float) -> torch.Tensor:
-        """float32(Σ w_i v_i / 2**reference · scale)."""
+        """float32(Σ w_i v_i / 2**reference · scale), formed block by block (no float64 temporaries of full size)."""
+        out = torch.empty(self.numel, dtype=torch.float32)
         with self._lock:
-            return ((self.hi + self.lo) * scale).to(torch.float32)
+            block = self._scratch[0][0]
+            for start in range(0, self.numel, len(block)):
+                end = min(start + len(block), self.numel)
+                part = block[: end - start]
+                torch.add(self.hi[start:end], self.lo[start:end], out=part)
+                out[start:end].copy_(part.mul_(scale))
+        return out
 
     def weighted_mean(self, scale: float = 1.0) -> torch.Tensor:
         """scale · Σ w_i v_i / Σ w_i as float32 (zeros when every weight is zero)."""
@@ -159,19 +172,12 @@ class ExactSum:
             return torch.zeros(self.numel, dtype=torch.float32)
         return self.scaled_sum(scale / total)
 
-    def weighted_total(self, scale: float = 1.0) -> torch.Tensor:
-        """Σ w_i v_i · scale as float32."""
-        if self.reference is None:
-            return torch.zeros(self.numel, dtype=torch.float32)
-        return self.scaled_sum(math.ldexp(scale, self.reference))
-
     def normalized_weights(self) -> dict[int, float]:
-        """w_i / Σ w by key."""
+        """w_i / Σ w by key, in key order (not arrival order: consumers iterate it)."""
         total = self.total_weight()
-        return {
-            key: w.scaled(self.reference or 0) / total if total else 0.0
-            for key, w in zip(self.keys, self.weights, strict=True)
-        }
+        with self._lock:
+            terms = sorted(zip(self.keys, self.weights, strict=True), key=lambda kw: kw[0])
+        return {key: w.scaled(self.reference or 0) / total if total else 0.0 for key, w in terms}
 
 
 WeightOf = Callable[[ClientResult, torch.Tensor], Weight]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 
 import grpc
 import pytest
@@ -97,3 +99,61 @@ def test_reregistering_agent_inherits_its_queued_tasks() -> None:
     _submit(state, layout, task, new.agent_id)
     worker.join()
     assert [r.client_id for r in results[0].results] == [0]
+
+
+def _answer_all(state: FederationState, layout: ParamLayout, agent_id: str, count: int) -> threading.Thread:
+    """An agent thread answering the first `count` tasks it polls, each on its own submitting thread."""
+
+    def run() -> None:
+        answered = 0
+        submitters = []
+        while answered < count:
+            for task in state.poll(agent_id, 8, 0.05):
+                submitter = threading.Thread(target=_submit_quietly, args=(state, layout, task, agent_id))
+                submitter.start()
+                submitters.append(submitter)
+                answered += 1
+        for submitter in submitters:
+            submitter.join()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker
+
+
+def _submit_quietly(state: FederationState, layout: ParamLayout, task: federation_pb2.Task, agent_id: str) -> None:
+    with contextlib.suppress(Rejected):  # a result past the quorum is refused as late; the test counts what was folded
+        _submit(state, layout, task, agent_id)
+
+
+def test_streamed_results_are_folded_before_the_phase_closes_and_quorum_counts_folds_in_flight() -> None:
+    state, transport, layout, agent_id = _setup()
+    state.register("b", [2, 3], "cpu")  # clients 2 and 3 on a second agent that never answers
+    folded: list[int] = []
+
+    def slow_sink(result: ClientResult) -> None:
+        time.sleep(0.3)  # a big update: other results arrive while this one is folded
+        folded.append(result.client_id)
+
+    worker = _answer_all(state, layout, agent_id, 2)
+    outcome = transport.execute([_task(c) for c in range(4)], timeout=10.0, quorum=1, on_result=slow_sink)
+    worker.join()
+    # Quorum 1: the first accepted result closes the phase, the second is refused as late, and execute returned
+    # only after the fold of the accepted one finished.
+    assert len(folded) == 1 and [r.client_id for r in outcome.results] == folded
+    assert state.counters["accepted"] == 1 and state.counters["late"] == 1
+
+
+def test_a_failing_fold_fails_the_phase_at_once_not_at_its_deadline() -> None:
+    state, transport, layout, agent_id = _setup()
+    state.register("b", [2], "cpu")  # client 2 never answers: without the fix the phase waited for its deadline
+
+    def broken_sink(result: ClientResult) -> None:
+        raise MemoryError("no room for the accumulator")
+
+    worker = _answer_all(state, layout, agent_id, 1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="streaming aggregation failed: no room"):
+        transport.execute([_task(0), _task(2)], timeout=30.0, on_result=broken_sink)
+    worker.join()
+    assert time.monotonic() - started < 5.0

@@ -15,6 +15,7 @@ import torch
 from aggregator_service.engine import RoundEngine
 from aggregator_service.inprocess import InProcessTransport
 from aggregator_service.peers import LocalPrivacy, LocalSelector
+from aggregator_service.strategies import fold
 from aggregator_service.strategies.fold import ExactSum, ResultFold, Weight
 from fairfl.config import experiment_from_dict
 from fairfl.protocol import UPDATE, ClientResult
@@ -81,6 +82,9 @@ def test_weights_round_to_float32_mantissas() -> None:
         Weight.linear(float("nan"))
     with pytest.raises(ValueError, match="finite"):
         Weight.exp(float("inf"))
+    for out_of_range in (1e39, -1e39, 1e-46):
+        with pytest.raises(ValueError, match="float32's range"):
+            Weight.linear(out_of_range)
 
 
 def test_concurrent_adds_give_the_sequential_bits() -> None:
@@ -151,11 +155,16 @@ def _config(strategy: dict[str, Any]) -> Any:
         {"name": "fedeba", "params": {"tau": 0.5}},
         {"name": "fedeba_plus", "params": {"tau": 0.5, "alpha": 0.5}},  # gradient probe + aligned training
         {"name": "fedeba_plus", "params": {"tau": 0.5, "alpha": 0.5, "mode": "model"}},
+        {"name": "fedeba_plus", "params": {"tau": 0.5, "alpha": 0.5, "mode": "adaptive", "theta_degrees": 0.0}},
+        {"name": "fedeba_plus", "params": {"tau": 0.5, "mode": "adaptive", "theta_degrees": 89.0, "use_prior": True}},
         {"name": "term", "params": {"tilt": 1.0}},
+        {"name": "fedprox", "params": {"mu": 0.1}},
+        {"name": "fedfair", "params": {"fair_lambda": 0.5}},
     ],
-    ids=lambda s: f"{s['name']}-{s.get('params', {}).get('mode', '')}",
+    ids=lambda s: "-".join([s["name"], *(f"{k}={v}" for k, v in s.get("params", {}).items())]),
 )
 def test_engine_streams_updates_away_and_matches_the_buffered_round_bit_for_bit(strategy: dict[str, Any]) -> None:
+    """Streamed (payloads dropped on arrival) and buffered rounds give the same model and the same metrics."""
     config = _config(strategy)
     finals = []
     for streaming in (True, False):
@@ -168,5 +177,33 @@ def test_engine_streams_updates_away_and_matches_the_buffered_round_bit_for_bit(
         assert transport.streamed and all(s == streaming for s in transport.streamed)
         if streaming:  # the aggregator kept no update: every folded tensor was dropped on arrival
             assert all(not kinds for kinds in transport.payload_kinds)
-        finals.append(summary.final_params)
-    assert torch.equal(finals[0], finals[1])
+        metrics = [[(m.name, m.value) for m in e.round.strategy_metrics] for e in events if e.HasField("round")]
+        finals.append((summary.final_params, metrics))
+    assert torch.equal(finals[0][0], finals[1][0])
+    assert finals[0][1] == finals[1][1]
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [{"name": "prac_fedeba_plus", "params": {"tau": 0.5}}, {"name": "fedeba", "params": {"clamp_eps": 1e-3}}],
+    ids=["prac_fedeba_plus", "fedeba-clamp"],
+)
+def test_strategies_that_need_every_result_are_not_streamed(strategy: dict[str, Any]) -> None:
+    transport = _Recording()
+    engine = RoundEngine("fold", _config(strategy), transport, LocalSelector("random"), LocalPrivacy(), lambda _: None)
+    summary = engine.run()
+    assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
+    assert transport.streamed and not any(transport.streamed)
+
+
+def test_big_vectors_fold_in_parallel_ranges_to_the_serial_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    numel = 4 * fold.BLOCK + 12345
+    vectors = _vectors(6, numel, seed=4)
+    weights = [Weight.exp(0.3 * i) for i in range(6)]
+    means = []
+    for threads in (1, 3):
+        monkeypatch.setattr(fold, "FOLD_THREADS", threads)
+        total = _sum(vectors, weights, [5, 0, 3, 1, 4, 2])
+        assert len(total._ranges) == threads
+        means.append(total.weighted_mean())
+    assert torch.equal(means[0], means[1])
