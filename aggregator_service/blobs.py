@@ -11,12 +11,18 @@ from fairfl.codec import EncodedBundle
 from fairfl.params import ParamLayout
 from fairfl.v1 import tensor_pb2
 
+# The newest blobs always kept, whatever their size: a round's model and its fair gradient (FedEBA+) are in use at once.
+MIN_KEPT = 2
+
 
 class BlobStore:
-    """Keeps the most recent `capacity` bundles; a model is encoded once per round and streamed to every client."""
+    """Keeps the most recent `capacity` bundles, and beyond the newest MIN_KEPT only while they hold at most
+    `max_bytes` together (a 1 GiB model would otherwise keep 8 GiB of past rounds); a model is encoded once per
+    round and streamed to every client."""
 
-    def __init__(self, capacity: int = 8) -> None:
+    def __init__(self, capacity: int = 8, max_bytes: int = 2 * 1024**3) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._blobs: OrderedDict[str, tuple[EncodedBundle, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -26,8 +32,10 @@ class BlobStore:
         with self._lock:
             self._blobs[bundle.sha256] = (bundle, flat)
             self._blobs.move_to_end(bundle.sha256)
-            while len(self._blobs) > self.capacity:
-                self._blobs.popitem(last=False)
+            held = sum(b.total_bytes for b, _ in self._blobs.values())
+            while len(self._blobs) > MIN_KEPT and (len(self._blobs) > self.capacity or held > self.max_bytes):
+                _, (oldest, _) = self._blobs.popitem(last=False)
+                held -= oldest.total_bytes
         return tensor_pb2.BlobRef(sha256=bundle.sha256, total_bytes=bundle.total_bytes)
 
     def get(self, sha256: str) -> tuple[EncodedBundle, torch.Tensor] | None:

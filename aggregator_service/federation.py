@@ -28,7 +28,14 @@ from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from fairfl import __version__, codec, rpc, telemetry, tls
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
-from fairfl.protocol import ClientResult, ResultAssembler, ResultPart, check_against_task, check_result
+from fairfl.protocol import (
+    ClientResult,
+    ResultAssembler,
+    ResultPart,
+    check_against_task,
+    check_result,
+    parse_result_chunk,
+)
 from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 
@@ -460,6 +467,7 @@ class GrpcTransport(ClientTransport):
 class FederationServicer(federation_pb2_grpc.FederationServicer):
     def __init__(self, state: FederationState) -> None:
         self.state = state
+        self.framed = False  # FetchBlob sends codec.Framed data chunks (registered by add_federation_servicer)
 
     def _bound(self, context: grpc.ServicerContext, agent_id: str, action: str) -> None:
         """Abort unless `agent_id` was registered by the caller's certificate (any caller on a plaintext server)."""
@@ -562,7 +570,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 f"range offset {offset} length {length} is outside blob {request.sha256[:16]}… of {total} bytes; "
                 "ask for offset + length <= total_bytes (length 0 = to the end)",
             )
-        yield from bundle.chunks(CHUNK_BYTES, offset, length or total - offset)
+        yield from bundle.chunks(CHUNK_BYTES, offset, length or total - offset, framed=self.framed)
 
     def SubmitResult(self, request_iterator: Iterator[federation_pb2.ResultChunk], context: grpc.ServicerContext):
         first = next(request_iterator, None)
@@ -603,4 +611,47 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return federation_pb2.SubmitReply(accepted=True)
 
 
-__all__ = ["SERVICE_NAME", "FederationServicer", "FederationState", "GrpcTransport", "__version__"]
+class _Registration:
+    """Stands in for a grpc.Server to collect the method handlers generated code registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.handlers.update(handlers)
+
+
+def add_federation_servicer(servicer: FederationServicer, server: grpc.Server) -> None:
+    """Register the Federation service as federation_pb2_grpc.add_FederationServicer_to_server does, except that the
+    bulk methods handle data chunks as raw bytes: FetchBlob serialises each straight from the blob's memory and
+    SubmitResult reads each as a view of the received message (codec.Framed, codec.chunk_parser). The wire format is
+    the same protobuf."""
+    generated = _Registration()
+    federation_pb2_grpc.add_FederationServicer_to_server(servicer, generated)
+    handlers = dict(generated.handlers)
+    servicer.framed = True
+    handlers["FetchBlob"] = grpc.unary_stream_rpc_method_handler(
+        servicer.FetchBlob,
+        request_deserializer=tensor_pb2.BlobRef.FromString,
+        response_serializer=codec.serialize,
+    )
+    handlers["SubmitResult"] = grpc.stream_unary_rpc_method_handler(
+        servicer.SubmitResult,
+        request_deserializer=parse_result_chunk,
+        response_serializer=federation_pb2.SubmitReply.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+__all__ = [
+    "SERVICE_NAME",
+    "FederationServicer",
+    "FederationState",
+    "GrpcTransport",
+    "__version__",
+    "add_federation_servicer",
+]

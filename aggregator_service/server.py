@@ -15,7 +15,12 @@ from aggregator_service.checkpoint import RunCheckpointer, find_unfinished
 from aggregator_service.clustering_peer import RemoteClusterer
 from aggregator_service.engine import PrivacyGate, RoundEngine, Selector
 from aggregator_service.federation import SERVICE_NAME as FEDERATION_SERVICE
-from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
+from aggregator_service.federation import (
+    FederationServicer,
+    FederationState,
+    GrpcTransport,
+    add_federation_servicer,
+)
 from aggregator_service.monitoring import InstrumentedTransport, RunMonitor, TimedPrivacy, TimedSelector, TimedStrategy
 from aggregator_service.peers import LocalPrivacy, LocalSelector, RemotePrivacy, RemoteSelector
 from aggregator_service.reliability import ReliabilityOptions, add_reliability_arguments, options_from_args
@@ -35,7 +40,7 @@ from fairfl.rpc import (
     start_server,
     transport_from_args,
 )
-from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2_grpc
+from fairfl.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [FEDERATION_SERVICE, CONTROL_SERVICE]
@@ -109,7 +114,7 @@ class Aggregator:
         return latest.run_id
 
     def register(self, server: grpc.Server) -> list[str]:
-        federation_pb2_grpc.add_FederationServicer_to_server(FederationServicer(self.state), server)
+        add_federation_servicer(FederationServicer(self.state), server)  # data chunks as raw bytes
         control_pb2_grpc.add_RunControlServicer_to_server(RunControlServicer(self.manager), server)
         return SERVICE_NAMES
 

@@ -43,6 +43,7 @@ from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
 
+FEDERATION = federation_pb2.DESCRIPTOR.services_by_name["Federation"].full_name
 MODEL_CACHE_SIZE = 4
 FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
 
@@ -81,6 +82,18 @@ class Agent:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.channel = open_channel(aggregator, security)  # mTLS as this agent's certificate, unless --insecure
         self.stub = federation_pb2_grpc.FederationStub(self.channel)
+        # The bulk calls with data chunks as raw bytes, same wire format: FetchBlob's are read as views of the
+        # received messages, SubmitResult's serialised once from the tensor memory (codec.chunk_parser, codec.Framed).
+        self._fetch_blob = self.channel.unary_stream(
+            f"/{FEDERATION}/FetchBlob",
+            request_serializer=tensor_pb2.BlobRef.SerializeToString,
+            response_deserializer=codec.chunk_parser(tensor_pb2.Chunk),
+        )
+        self._submit_result = self.channel.stream_unary(
+            f"/{FEDERATION}/SubmitResult",
+            request_serializer=codec.serialize,
+            response_deserializer=federation_pb2.SubmitReply.FromString,
+        )
         self.agent_id = ""
         self.runtimes: dict[str, ClientRuntime] = {}
         self.models: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -184,7 +197,7 @@ class Agent:
 
         def open_range(offset: int, length: int) -> Iterator[tensor_pb2.Chunk]:
             request = tensor_pb2.BlobRef(sha256=ref.sha256, total_bytes=ref.total_bytes, offset=offset, length=length)
-            for chunk in self.stub.FetchBlob(request, timeout=TRANSFER_DEADLINE):
+            for chunk in self._fetch_blob(request, timeout=TRANSFER_DEADLINE):
                 telemetry.AGENT_RECEIVED_BYTES.inc(len(chunk.data))
                 yield chunk
 
@@ -254,9 +267,9 @@ class Agent:
         trailer (hashed while it streams). Raises grpc.RpcError when it is refused, codec.CodecError when a payload
         cannot be sent in that dtype (float16 overflow)."""
         layout = runtime.layout.with_payload_dtype(runtime.config.transport.update_dtype)
-        chunks = encode_result(result, layout, sha256_in_trailer=True)
+        chunks = encode_result(result, layout, sha256_in_trailer=True, framed=True)
         first = next(chunks)  # casts and checks the payloads before the call opens
-        self.stub.SubmitResult(_counted(itertools.chain([first], chunks)), timeout=TRANSFER_DEADLINE)
+        self._submit_result(_counted(itertools.chain([first], chunks)), timeout=TRANSFER_DEADLINE)
 
 
 _PHASES = {
@@ -266,7 +279,9 @@ _PHASES = {
 }
 
 
-def _counted(chunks: Iterable[federation_pb2.ResultChunk]) -> Iterator[federation_pb2.ResultChunk]:
+def _counted(
+    chunks: Iterable[federation_pb2.ResultChunk | codec.Framed],
+) -> Iterator[federation_pb2.ResultChunk | codec.Framed]:
     for chunk in chunks:
         telemetry.AGENT_SENT_BYTES.inc(chunk.ByteSize())
         yield chunk

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from google.protobuf.message import Message
 
 from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import tensor_pb2
@@ -232,45 +233,56 @@ class StreamDigest:
 # -- receive buffers ---------------------------------------------------------------------------------------------------
 
 
+class _Pooled:
+    __slots__ = ("array", "unused_refs")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.unused_refs = 0
+
+
 class BufferPool:
     """Large uint8 buffers handed out again once nothing uses them.
 
     First touching fresh memory costs more than the bytes it receives on some hosts (page faults, ~1 s per GiB on a
     small VM), and a 1 GiB model or update arrives every round. A buffer is free again when its reference count is
     back to what it was when only the pool held it: anything that can still reach its memory (a numpy view, a tensor
-    made by torch.frombuffer or from_numpy, a memoryview) holds a reference to it. At most `max_idle` unused buffers
-    are kept; sizes below `min_bytes` are plain allocations."""
+    made by torch.frombuffer or from_numpy, a memoryview) holds a reference to it. The pool tracks at most
+    `max_buffers` (in use or idle; beyond that, plain allocations), so it keeps at most that many alive when idle;
+    sizes below `min_bytes` are plain allocations."""
 
-    def __init__(self, max_idle: int = 2, min_bytes: int = 32 * 1024 * 1024) -> None:
-        self.max_idle = max_idle
+    def __init__(self, max_buffers: int = 2, min_bytes: int = 32 * 1024 * 1024) -> None:
+        self.max_buffers = max_buffers
         self.min_bytes = min_bytes
-        self._buffers: list[tuple[np.ndarray, int]] = []  # (buffer, its reference count when unused), oldest first
+        self._buffers: list[_Pooled] = []  # oldest first
         self._lock = threading.Lock()
         self.reused = 0
 
     @staticmethod
-    def _refs(entry: tuple[np.ndarray, int]) -> int:
-        return sys.getrefcount(entry[0])
+    def _refs(pooled: _Pooled) -> int:
+        return sys.getrefcount(pooled.array)  # the same expression measures the unused count and checks against it
 
     def take(self, nbytes: int) -> np.ndarray:
         """An uninitialised uint8 array of `nbytes`."""
         if nbytes < self.min_bytes:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
-            idle = [i for i, entry in enumerate(self._buffers) if self._refs(entry) <= entry[1]]
-            match = next((i for i in idle if len(self._buffers[i][0]) == nbytes), None)
+            idle = [i for i, pooled in enumerate(self._buffers) if self._refs(pooled) <= pooled.unused_refs]
+            match = next((i for i in idle if len(self._buffers[i].array) == nbytes), None)
             if match is not None:
-                entry = self._buffers.pop(match)
-                self._buffers.append(entry)
+                pooled = self._buffers.pop(match)
+                self._buffers.append(pooled)
                 self.reused += 1
-                return entry[0]
-            surplus = len(idle) - self.max_idle + 1  # room for the new one among the idle
+                return pooled.array
+            surplus = len(self._buffers) - self.max_buffers + 1  # idle buffers of other sizes make room, oldest first
             for i in sorted(idle[: max(surplus, 0)], reverse=True):
                 del self._buffers[i]
-            entry = (np.empty(nbytes, dtype=np.uint8), 0)
-            entry = (entry[0], self._refs(entry))  # measured the same way as in the check above
-            self._buffers.append(entry)
-            return entry[0]
+            if len(self._buffers) >= self.max_buffers:  # all in use: not pooled
+                return np.empty(nbytes, dtype=np.uint8)
+            pooled = _Pooled(np.empty(nbytes, dtype=np.uint8))
+            pooled.unused_refs = self._refs(pooled)
+            self._buffers.append(pooled)
+            return pooled.array
 
     def clear(self) -> None:
         with self._lock:
@@ -280,8 +292,9 @@ class BufferPool:
 TRANSFER_BUFFERS = BufferPool()
 
 
-def iter_byte_chunks(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Concatenate buffers and cut them into pieces of exactly chunk_bytes (the last may be shorter)."""
+def iter_chunk_views(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[memoryview]]:
+    """Concatenate buffers and cut them into pieces of exactly chunk_bytes (the last may be shorter), each piece as
+    the views of the buffers it spans (no copy)."""
     pending: list[memoryview] = []
     pending_len = 0
     for buf in buffers:
@@ -292,10 +305,102 @@ def iter_byte_chunks(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYT
             pending_len += take
             start += take
             if pending_len == chunk_bytes:
-                yield pending[0].tobytes() if len(pending) == 1 else b"".join(pending)
+                yield pending
                 pending, pending_len = [], 0
     if pending_len:
-        yield b"".join(pending)
+        yield pending
+
+
+def iter_byte_chunks(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Concatenate buffers and cut them into pieces of exactly chunk_bytes (the last may be shorter)."""
+    for views in iter_chunk_views(buffers, chunk_bytes):
+        yield views[0].tobytes() if len(views) == 1 else b"".join(views)
+
+
+# -- data chunks framed without protobuf's copies ----------------------------------------------------------------------
+# A Chunk or ResultChunk holding only `data` (field 2, length-delimited) is its tag, the length as a varint and the
+# bytes. Built by hand, a chunk is one copy of the tensor memory instead of three (cut, into the message, serialised);
+# parsed by hand, its bytes are a view of the received message instead of two copies. Anything else goes through
+# protobuf, so what is accepted is exactly what protobuf would parse.
+
+_DATA_TAG = 0x12  # field 2, wire type 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+class Framed:
+    """A message serialised already, for the passthrough `serialize`; it answers ByteSize() like a protobuf message
+    (the gRPC metrics count it)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def ByteSize(self) -> int:
+        return len(self.data)
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+def serialize(message: Framed | Message) -> bytes:
+    """gRPC serializer for streams that mix Framed chunks and protobuf messages."""
+    return message.SerializeToString()
+
+
+def framed_data(views: Sequence[memoryview | bytes]) -> Framed:
+    """The serialised Chunk / ResultChunk whose `data` is the views' concatenation."""
+    size = sum(len(v) for v in views)
+    return Framed(b"".join([bytes((_DATA_TAG,)), _varint(size), *views]))
+
+
+class DataChunk:
+    """A received Chunk / ResultChunk that holds only `data`, a read-only view of the received bytes."""
+
+    __slots__ = ("_size", "data")
+
+    def __init__(self, data: memoryview, size: int) -> None:
+        self.data = data
+        self._size = size
+
+    def WhichOneof(self, group: str) -> str:
+        return "data"
+
+    def ByteSize(self) -> int:
+        return self._size
+
+
+def data_view(raw: bytes) -> memoryview | None:
+    """The bytes of `raw` if it is exactly one `data` field (tag, varint length, bytes), as a view; else None."""
+    if len(raw) < 2 or raw[0] != _DATA_TAG:
+        return None
+    size, shift, at = 0, 0, 1
+    while at < len(raw) and at <= 10:  # a varint has at most 10 bytes
+        byte = raw[at]
+        size |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            return memoryview(raw)[at:] if at + size == len(raw) else None
+        shift += 7
+    return None
+
+
+def chunk_parser(message: type[Message]) -> Callable[[bytes], Message | DataChunk]:
+    """A gRPC deserializer for `message` (Chunk, ResultChunk) that reads data chunks without copying them."""
+
+    def parse(raw: bytes) -> Message | DataChunk:
+        view = data_view(raw)
+        return message.FromString(raw) if view is None else DataChunk(view, len(raw))
+
+    return parse
 
 
 def byte_range(buffers: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
@@ -325,9 +430,10 @@ class EncodedBundle:
         return tensor_pb2.BundleHeader(tensors=self.specs, total_bytes=self.total_bytes, sha256=self.sha256)
 
     def chunks(
-        self, chunk_bytes: int = CHUNK_BYTES, offset: int = 0, length: int | None = None
-    ) -> Iterator[tensor_pb2.Chunk]:
-        """The header, then the payload's bytes [offset, offset + length) (default: all of it) in chunks."""
+        self, chunk_bytes: int = CHUNK_BYTES, offset: int = 0, length: int | None = None, framed: bool = False
+    ) -> Iterator[tensor_pb2.Chunk | Framed]:
+        """The header, then the payload's bytes [offset, offset + length) (default: all of it) in chunks; with
+        `framed`, the data chunks come serialised already (for the `serialize` serializer)."""
         if length is None:
             length = self.total_bytes - offset
         if offset < 0 or length < 0 or offset + length > self.total_bytes:
@@ -336,6 +442,10 @@ class EncodedBundle:
         buffers = (
             self.buffers if (offset, length) == (0, self.total_bytes) else byte_range(self.buffers, offset, length)
         )
+        if framed:
+            for views in iter_chunk_views(buffers, chunk_bytes):
+                yield framed_data(views)
+            return
         for piece in iter_byte_chunks(buffers, chunk_bytes):
             yield tensor_pb2.Chunk(data=piece)
 
@@ -396,7 +506,7 @@ class PayloadReceiver:
         self._hashed = 0  # bytes handed to the digest
         self._digest = StreamDigest(background=total_bytes >= BACKGROUND_DIGEST_BYTES)
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes | memoryview) -> None:
         if self.trailer_received:
             raise CodecError("data arrived after the sha256 trailer")
         if not 0 < len(data) <= self.max_chunk_bytes:
@@ -471,9 +581,11 @@ RangeOpener = Callable[[int, int], Iterator[tensor_pb2.Chunk]]
 
 
 def plan_segments(total_bytes: int, segment_bytes: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
-    """(offset, length) of the ranges a payload is fetched in: whole chunks, at most MAX_SEGMENTS of them."""
+    """(offset, length) of the ranges a payload is fetched in: at least `segment_bytes` (whole chunks from a chunk
+    up), at most MAX_SEGMENTS of them."""
     size = max(segment_bytes, math.ceil(total_bytes / MAX_SEGMENTS))
-    size = math.ceil(size / CHUNK_BYTES) * CHUNK_BYTES
+    if size >= CHUNK_BYTES:
+        size = math.ceil(size / CHUNK_BYTES) * CHUNK_BYTES
     return [(start, min(size, total_bytes - start)) for start in range(0, total_bytes, size)]
 
 
@@ -499,7 +611,7 @@ class RangeReceiver:
         self._lock = threading.Lock()
         self._digest = StreamDigest(background=total_bytes >= BACKGROUND_DIGEST_BYTES)
 
-    def add(self, index: int, position: int, data: bytes) -> int:
+    def add(self, index: int, position: int, data: bytes | memoryview) -> int:
         """Write `data` at `position` of range `index` (the bytes received in it so far); the new position."""
         offset, length = self.segments[index]
         if not 0 < len(data) <= CHUNK_BYTES:

@@ -37,9 +37,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from client_agent.agent import FETCH_STREAMS, Agent  # noqa: E402
+from client_agent.trainer import ClientRuntime  # noqa: E402
 from fairfl import telemetry  # noqa: E402
 from fairfl.config import experiment_from_dict  # noqa: E402
 from fairfl.launcher import LocalCluster  # noqa: E402
@@ -69,16 +71,31 @@ def experiment(hidden: list[int], repeats: int, update_dtype: str, strategy: str
     }
 
 
-def next_train_task(agent: Agent, timeout: float = 120.0) -> federation_pb2.Task:
-    deadline = time.monotonic() + timeout
+def prepare(agent: Agent, run_id: str) -> ClientRuntime:
+    """The agent's runtime for the run, as soon as the aggregator serves its spec (right after StartRun)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return agent._runtime(run_id)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def next_train_task(agent: Agent, control: control_pb2_grpc.RunControlStub, run_id: str) -> federation_pb2.Task:
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         reply = agent.stub.PollTasks(
-            federation_pb2.PollRequest(agent_id=agent.agent_id, max_tasks=1, wait_seconds=5.0), timeout=30
+            federation_pb2.PollRequest(agent_id=agent.agent_id, max_tasks=1, wait_seconds=2.0), timeout=30
         )
         for task in reply.tasks:
             if task.phase == TRAIN:
                 return task
-    raise TimeoutError(f"no training task within {timeout:.0f}s")
+        status = control.GetRun(control_pb2.GetRunRequest(run_id=run_id), timeout=30)
+        if status.state not in (control_pb2.RUN_STATE_PENDING, control_pb2.RUN_STATE_RUNNING):
+            raise RuntimeError(f"run {run_id} ended ({control_pb2.RunState.Name(status.state)}): {status.message}")
+    raise TimeoutError(f"run {run_id}: no training task within 300 s")
 
 
 class Timed:
@@ -112,27 +129,33 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_run(
-    cluster: LocalCluster,
-    address: str,
-    aggregator_pid: int,
-    args: argparse.Namespace,
-    update_dtype: str,
-    measure_down: bool,
-) -> dict:
+def _peak_rss(pid: str) -> int:
+    """Peak resident memory of a process in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+
+
+def one_run(cluster: LocalCluster, args: argparse.Namespace, update_dtype: str, measure_down: bool) -> dict:
+    """One run on a fresh aggregator process (so no earlier run's models stay in its memory)."""
+    name = f"aggregator-{update_dtype}"
+    aggregator = cluster.start_service(name, "aggregator_service", ["--rate-limit", "0"])
     config = experiment_from_dict(experiment(args.hidden, args.repeats, update_dtype, args.strategy))
     run_id = f"bench-transfer-{update_dtype}"
     security = cluster.issue(f"bench-agent-{update_dtype}", ROLE_AGENT, [(0, 0)])
-    agent = Agent(address, [0], device="cpu", name="bench", security=security)
-    with cluster.open_channel(address) as operator:
-        control = control_pb2_grpc.RunControlStub(operator)
-        started = time.perf_counter()
-        agent._register()
-        threading.Thread(target=agent._heartbeats, name="heartbeat", daemon=True).start()  # or its tasks close
-        control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30)
-        try:
-            task = next_train_task(agent)
-            runtime = agent._runtime(run_id)
+    agent = Agent(aggregator.address, [0], device="cpu", name="bench", security=security)
+    pid = aggregator.process.pid
+    try:
+        with cluster.open_channel(aggregator.address) as operator:
+            control = control_pb2_grpc.RunControlStub(operator)
+            started = time.perf_counter()
+            agent._register()
+            threading.Thread(target=agent._heartbeats, name="heartbeat", daemon=True).start()  # or its tasks close
+            control.StartRun(control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30)
+            runtime = prepare(agent, run_id)  # builds the agent's model while the aggregator builds its own
+            task = next_train_task(agent, control, run_id)
             layout = runtime.layout
             out: dict = {"model_params": layout.numel, "model_bytes": layout.nbytes}
             print(f"{update_dtype}: run set up in {time.perf_counter() - started:.1f}s", flush=True)
@@ -140,15 +163,15 @@ def one_run(
                 down = []
                 for _ in range(args.repeats):
                     agent.models.clear()  # the cache by sha256 would answer the next fetch without the wire
-                    with Timed(aggregator_pid) as timed:
+                    with Timed(pid) as timed:
                         agent._fetch_model(task.model)
                     down.append(timed)
                 out["down"] = down
             update = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0)).mul_(1e-3)
             up, wire = [], []
             for repeat in range(args.repeats):
-                if repeat:
-                    task = next_train_task(agent)  # the next round, after the aggregator folded this one in
+                if repeat:  # the next round's task, once the aggregator has aggregated this one
+                    task = next_train_task(agent, control, run_id)
                 result = ClientResult(
                     task_id=task.task_id,
                     run_id=task.run_id,
@@ -162,23 +185,18 @@ def one_run(
                     agent_id=agent.agent_id,
                 )
                 sent_before = _sent_bytes()
-                with Timed(aggregator_pid) as timed:
+                with Timed(pid) as timed:
                     agent.submit(result, runtime)
                 up.append(timed)
                 wire.append(_sent_bytes() - sent_before)
             out["up"] = up
             out["up_wire_bytes"] = int(statistics.median(wire))
+            out["aggregator_peak_rss_bytes"] = _peak_rss(str(pid))
             return out
-        finally:
-            control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason="benchmark done"), timeout=30)
-            agent.stop.set()
-            agent.channel.close()
-            deadline = time.monotonic() + 60  # the engine ends the run at its next step; one run at a time
-            while time.monotonic() < deadline:
-                status = control.GetRun(control_pb2.GetRunRequest(run_id=run_id), timeout=30)
-                if status.state not in (control_pb2.RUN_STATE_PENDING, control_pb2.RUN_STATE_RUNNING):
-                    break
-                time.sleep(0.2)
+    finally:
+        agent.stop.set()
+        agent.channel.close()
+        cluster.kill(name)  # the run with it: the next variant starts on a fresh aggregator
 
 
 def _sent_bytes() -> float:
@@ -201,6 +219,7 @@ def main() -> int:
         "inside SubmitResult, so with fedavg an upload also times aggregation)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the final JSON line to this file")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the aggregator's log here")
     args = parser.parse_args()
     if "float32" not in args.dtypes:
         args.dtypes.insert(0, "float32")  # the lossless figures are the point; the others are extras
@@ -208,15 +227,11 @@ def main() -> int:
     wall = time.perf_counter()
     with (
         tempfile.TemporaryDirectory(prefix="bench-transfer-") as tmp,
-        LocalCluster(Path(tmp) / "logs", metrics=False) as cluster,
+        LocalCluster(args.log_dir or Path(tmp) / "logs", metrics=False) as cluster,
     ):
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-        aggregator = cluster.start_service("aggregator", "aggregator_service", ["--rate-limit", "0"])
         for dtype in args.dtypes:
-            runs[dtype] = one_run(
-                cluster, aggregator.address, aggregator.process.pid, args, dtype, measure_down=dtype == "float32"
-            )
-            r = runs[dtype]
+            runs[dtype] = r = one_run(cluster, args, dtype, measure_down=dtype == "float32")
             if "down" in r:
                 print(_line("down", "float32", r["model_bytes"], r["down"]), flush=True)
             print(_line("up", dtype, r["model_bytes"], r["up"]), flush=True)
@@ -244,6 +259,8 @@ def main() -> int:
             figures[f"up_{dtype}_gbps"] = _gbps(nbytes, r["up"])
             figures.update(_details(f"up_{dtype}", r["up"]))
             figures[f"up_{dtype}_wire_bytes"] = r["up_wire_bytes"]
+    figures["agent_peak_rss_bytes"] = _peak_rss("self")
+    figures["aggregator_peak_rss_bytes"] = max(r["aggregator_peak_rss_bytes"] for r in runs.values())
     figures["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform(terse=True)}"
     figures["wall_seconds"] = round(time.perf_counter() - wall, 1)
     line = json.dumps(figures)
