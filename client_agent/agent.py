@@ -197,9 +197,7 @@ class Agent:
 
         def open_range(offset: int, length: int) -> Iterator[tensor_pb2.Chunk]:
             request = tensor_pb2.BlobRef(sha256=ref.sha256, total_bytes=ref.total_bytes, offset=offset, length=length)
-            for chunk in self._fetch_blob(request, timeout=TRANSFER_DEADLINE):
-                telemetry.AGENT_RECEIVED_BYTES.inc(len(chunk.data))
-                yield chunk
+            return self._fetch_blob(request, timeout=TRANSFER_DEADLINE)  # the call itself: a failed fetch cancels it
 
         # A large model arrives as byte ranges on concurrent streams, hashed as it lands (codec.fetch_ranges).
         _, buffer = codec.fetch_ranges(
@@ -210,6 +208,7 @@ class Agent:
             max_bytes=layout.nbytes,
             streams=FETCH_STREAMS,
         )
+        telemetry.AGENT_RECEIVED_BYTES.inc(len(buffer))
         flat = torch.frombuffer(buffer, dtype=torch.float32) if len(buffer) else torch.empty(0)
         self.models[ref.sha256] = flat
         return flat

@@ -662,21 +662,12 @@ def fetch_ranges(
     and whatever `open_range`'s streams raise (the other streams are cancelled)."""
     segments = plan_segments(total_bytes, segment_bytes)
     if len(segments) <= 1 or streams <= 1:
-        header, receiver = None, None
         chunks = open_range(0, 0)
-        for chunk in chunks:
-            if header is None:
-                header = _range_header(chunk, total_bytes, sha256)
-                check_header(header)
-                receiver = PayloadReceiver(total_bytes, sha256, max_bytes)
-                continue
-            if chunk.WhichOneof("part") != "data":
-                raise CodecError("a second header arrived inside a chunk stream")
-            assert receiver is not None
-            receiver.add(chunk.data)
-        if header is None or receiver is None:
-            raise CodecError("the blob stream ended before its header")
-        return header, receiver.finish()
+        try:
+            return _receive_whole(chunks, total_bytes, sha256, check_header, max_bytes)
+        except BaseException:
+            _cancel(chunks)
+            raise
 
     receiver_ranges = RangeReceiver(total_bytes, sha256, segments, max_bytes)
     state = _FetchState()
@@ -722,6 +713,36 @@ def fetch_ranges(
         raise state.error
     assert state.header is not None
     return state.header, receiver_ranges.finish()
+
+
+def _receive_whole(
+    chunks: Iterator[tensor_pb2.Chunk],
+    total_bytes: int,
+    sha256: str,
+    check_header: Callable[[tensor_pb2.BundleHeader], None],
+    max_bytes: int,
+) -> tuple[tensor_pb2.BundleHeader, np.ndarray]:
+    header, receiver = None, None
+    for chunk in chunks:
+        if header is None:
+            header = _range_header(chunk, total_bytes, sha256)
+            check_header(header)
+            receiver = PayloadReceiver(total_bytes, sha256, max_bytes)
+            continue
+        if chunk.WhichOneof("part") != "data":
+            raise CodecError("a second header arrived inside a chunk stream")
+        assert receiver is not None
+        receiver.add(chunk.data)
+    if header is None or receiver is None:
+        raise CodecError("the blob stream ended before its header")
+    return header, receiver.finish()
+
+
+def _cancel(call: object) -> None:
+    """Cancel a gRPC response iterator (other iterables end on their own)."""
+    cancel = getattr(call, "cancel", None)
+    if callable(cancel):
+        cancel()
 
 
 def _range_header(chunk: tensor_pb2.Chunk, total_bytes: int, sha256: str) -> tensor_pb2.BundleHeader:
@@ -777,7 +798,5 @@ class _FetchState:
                 self.error = err
             self.failed.set()
             calls = list(self._open)
-        for call in calls:  # gRPC response iterators can be cancelled; the others end on their own
-            cancel = getattr(call, "cancel", None)
-            if callable(cancel):
-                cancel()
+        for call in calls:
+            _cancel(call)

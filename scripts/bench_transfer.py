@@ -5,23 +5,29 @@
     python scripts/bench_transfer.py --hidden 4096 4096 --repeats 5 --dtypes float32
 
 What it measures: an aggregator process (`python -m aggregator_service`, mTLS with an ephemeral CA as `fairfl run`
-deploys it, gRPC's per-message limit at its 4 MiB default) runs one experiment whose MLP (synthetic data, 60 inputs,
-hidden 16384 x 16384) has ~270M float32 parameters, so the global model it publishes is a ~1 GiB blob. This process
-is the client agent: `client_agent.agent.Agent` registers, takes the round's TRAIN tasks and
-- down: fetches the published model with the agent's own fetch (`Agent._fetch_model`: FetchBlob streams, sha256 and
-  layout checks; its model cache is emptied before each repeat so every repeat moves the whole blob);
-- up: submits one ~1 GiB UPDATE per task with the agent's own submit (`Agent.submit`: encode, stream, wait for the
-  reply), which the aggregator accepts only after `FederationState.accept`'s checks (task, identity, layout, size,
-  sha256, finiteness). The update is random (no training: this times the wire, not SGD).
-GB/s = the model's float32 bytes / wall seconds of one call (median over repeats). With `transport.update_dtype`
-float16 or bfloat16 the agent sends half the bytes (lossy); those figures are reported separately, still as float32
-bytes per second (how fast a 1 GiB float32 update gets through), next to the bytes that actually crossed the wire.
-A run per update dtype; each takes one round. Runs in about a minute and a half on a 2-core machine.
+deploys it, gRPC's per-message limit at its 4 MiB default) runs an experiment whose MLP (synthetic data, 60 inputs,
+hidden 16384 x 16384) has ~270M float32 parameters, so the global model it publishes is a ~1.08 GB blob. This process
+is the client agent, `client_agent.agent.Agent` with its own code paths:
+- down: `Agent._fetch_model` fetches the published model (FetchBlob byte ranges on concurrent streams, sha256 of the
+  whole checked against its address, layout checked); the agent's model cache is emptied before each repeat so every
+  repeat moves the whole blob (its receive buffer is reused, as from round to round);
+- up: `Agent.submit` sends one ~1 GiB UPDATE per round (encode, stream with the sha256 in a trailer, wait for the
+  reply), accepted only after `FederationState.accept`'s checks (task, identity, layout, size, sha256, finiteness).
+  The update is random: this times the wire, not SGD. One client and one round per upload, with strategy afl by
+  default, which aggregates at the end of the round: FedAvg's streaming fold runs inside SubmitResult, so with
+  `--strategy fedavg` an upload also times aggregation.
+GB/s = the model's float32 bytes / wall seconds of one call, median over the repeats (the first repeat of each also
+pays for first-touching its buffers). With `transport.update_dtype` float16 or bfloat16 the agent sends half the bytes
+(lossy); those figures are reported apart, still as float32 bytes per second (how fast a 1 GiB float32 update gets
+through), next to the bytes that crossed the wire. Each variant runs on a fresh aggregator process. Also reported:
+CPU seconds of the agent and the aggregator per transfer (Linux) and both processes' peak memory (~7 and ~10 GB: keep
+~18 GB free). About two minutes on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -232,6 +238,7 @@ def main() -> int:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
         for dtype in args.dtypes:
             runs[dtype] = r = one_run(cluster, args, dtype, measure_down=dtype == "float32")
+            gc.collect()  # the agent and its runtime (the model) form reference cycles: free them before the next run
             if "down" in r:
                 print(_line("down", "float32", r["model_bytes"], r["down"]), flush=True)
             print(_line("up", dtype, r["model_bytes"], r["up"]), flush=True)

@@ -317,9 +317,11 @@ def test_one_stream_fetch_refuses_a_bad_stream(tamper, reason: str, match: str) 
     def whole(offset: int, chunks: list[tensor_pb2.Chunk]) -> list[tensor_pb2.Chunk]:
         return tamper({_flip: 65_536 * 2, _swap: 65_536, _truncate: 65_536 * 4}[tamper], chunks)
 
+    server = _Server(_bundle(), whole)
     with pytest.raises(codec.CodecError, match=match) as refused:
-        _fetch(_Server(_bundle(), whole), streams=1)
+        _fetch(server, streams=1)
     assert refused.value.reason == reason
+    assert server.calls == [(0, 0)] and server.cancelled == 1  # the call is not left open
 
 
 def test_fetch_ranges_checks_the_header_and_cancels_the_other_streams() -> None:
