@@ -260,7 +260,7 @@ def run_benchmark(bench: Benchmark, quick: bool, json_dir: Path, log_dir: Path) 
     shown = shlex.join(["python", f"scripts/{bench.script}", *extra])
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{bench.name}.log"
-    print(f"[bench] {shown}  (log: {log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path})")
+    print(f"[bench] {shown}  (log: {log_path})")
     started = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log_path.open("w") as log:
@@ -270,7 +270,8 @@ def run_benchmark(bench: Benchmark, quick: bool, json_dir: Path, log_dir: Path) 
         except subprocess.TimeoutExpired:
             code = None
     seconds = round(time.monotonic() - started, 1)
-    record: dict[str, Any] = {"command": shown, "seconds": seconds, "log": str(log_path)}
+    shown_log = log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path
+    record: dict[str, Any] = {"command": shown, "seconds": seconds, "log": str(shown_log)}
     if json_path.exists():
         try:
             record["result"] = json.loads(json_path.read_text())
@@ -380,7 +381,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
             f"{machine.get('grpcio')}, {machine.get('numpy')} |",
             f"| commit | {machine.get('commit') or 'unknown'} |",
             "",
-            "Each section names the date it ran and the machine's load average then (other jobs sharing the cores "
+            "Each section names when it finished and the machine's load average then (other jobs sharing the cores "
             "make timings noisy).",
             "",
         ]
@@ -409,7 +410,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
         run_machine = result.get("machine") if isinstance(result.get("machine"), dict) else None
         if run_machine:
             load = ", ".join(str(x) for x in run_machine.get("load_average", []))
-            lines += [f"Ran {run_machine.get('date', '?')}, load average {load}.", ""]
+            lines += [f"Finished {run_machine.get('date', '?')}; load average then {load} (its own processes too).", ""]
         if status not in ("ok",):
             reason = record.get("reason", "")
             lines += [f"**{status}**" + (f": {reason}" if reason else ""), ""]
