@@ -537,7 +537,9 @@ class PayloadReceiver:
         self._digest.update(self._view[self._hashed : self.received])
         self._hashed = self.received
         if self._digest.hexdigest() != self.expected_sha256:
-            raise CodecError("payload sha256 does not match the header: data was corrupted or reordered", "integrity")
+            raise CodecError(
+                "payload sha256 does not match the declared one: data was corrupted or reordered", "integrity"
+            )
         return self.buffer
 
 

@@ -231,6 +231,7 @@ def main() -> int:
         args.dtypes.insert(0, "float32")  # the lossless figures are the point; the others are extras
     runs: dict[str, dict] = {}
     wall = time.perf_counter()
+    load_before = round(os.getloadavg()[0], 2)
     with (
         tempfile.TemporaryDirectory(prefix="bench-transfer-") as tmp,
         LocalCluster(args.log_dir or Path(tmp) / "logs", metrics=False) as cluster,
@@ -269,6 +270,7 @@ def main() -> int:
     figures["agent_peak_rss_bytes"] = _peak_rss("self")
     figures["aggregator_peak_rss_bytes"] = max(r["aggregator_peak_rss_bytes"] for r in runs.values())
     figures["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform(terse=True)}"
+    figures["load_average_before"] = load_before  # other work on the machine slows the figures down
     figures["wall_seconds"] = round(time.perf_counter() - wall, 1)
     line = json.dumps(figures)
     print(line)
