@@ -17,8 +17,8 @@ Runs of the same experiment, one after another:
   batch size, lr and batch order (the trainer's task seeds), FedAvg's sample-weighted average, and the same evaluation
   schedule (every client's test split every `evaluation.every` rounds and in the last). Nothing else: no loss passes,
   no serialisation, no processes. The trainer (client_agent/trainer.py) also measures every TRAIN task's loss and
-  accuracy over the client's whole training set before and after its local steps; the loop times those two passes
-  separately and reports the floor with them as a second figure.
+  accuracy before and after its local steps, on `training.loss_eval_batches` batches (0: the client's whole training
+  set); the loop times those two passes separately and reports the floor with them as a second figure.
 
 Seconds per round = wall time from the arrival of round 1's event to the last round's, over the rounds between:
 round 1 (agents fetch the run spec and load their data) is setup and left out, in every run alike. CPU seconds per
@@ -126,9 +126,10 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
             steps = budget if unit == "local_steps" else budget * math.ceil(n / batch)
             # A copy: vector_to_parameters makes the parameters views of the vector it is given.
             torch.nn.utils.vector_to_parameters(global_params.clone(), params)
+            sample = n if t.loss_eval_batches == 0 else min(n, t.loss_eval_batches * batch)  # the trainer's F_i sample
             if loss_passes:
                 started = time.perf_counter()
-                full_pass(x, y)
+                full_pass(x[:sample], y[:sample])
                 pass_seconds += time.perf_counter() - started
             opt = torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
             gen = torch.Generator().manual_seed(task_seed(config.seed, round_number, cid))
@@ -145,7 +146,7 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
                 opt.step()
             if loss_passes:
                 started = time.perf_counter()
-                full_pass(x, y)
+                full_pass(x[:sample], y[:sample])
                 pass_seconds += time.perf_counter() - started
             updates.append(torch.nn.utils.parameters_to_vector(params).detach() - global_params)
             sizes.append(n)
