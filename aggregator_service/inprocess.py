@@ -12,7 +12,7 @@ from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
 from fairfl.codec import CodecError
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
-from fairfl.protocol import ClientResult, check_against_task, check_result
+from fairfl.protocol import ClientResult, as_received, check_against_task, check_result
 from fairfl.v1 import federation_pb2, tensor_pb2
 
 
@@ -28,6 +28,7 @@ class InProcessTransport(ClientTransport):
     def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None:
         data = load_run_data(config)
         self.layout = layout
+        self.payload_dtype = layout.with_payload_dtype(config.transport.update_dtype).payload_dtype
         self.runtime = ClientRuntime(
             config, data, list(range(data.num_clients)), resolve_device(self.device), self._resolve
         )
@@ -67,6 +68,7 @@ class InProcessTransport(ClientTransport):
                 break
             result = self.runtime.run(task)
             try:
+                as_received(result, self.payload_dtype)  # transport.update_dtype: what the wire would deliver
                 check_result(result)
                 check_against_task(result, task)
             except CodecError:

@@ -301,3 +301,13 @@ def _small_vector(header: federation_pb2.ResultHeader, field_name: str) -> np.nd
     if not np.isfinite(array).all():
         raise codec.CodecError(f"{field_name} contains NaN or infinite values", "non_finite")
     return array
+
+
+def as_received(result: ClientResult, dtype: int) -> None:
+    """Round a result's payloads through the wire dtype `dtype` in place, as the aggregator decodes them after an
+    agent sent them in it (the in-process transport, so a lossy run matches its gRPC twin); raises codec.CodecError
+    where the agent would refuse to send (float16 overflow)."""
+    if dtype == tensor_pb2.DTYPE_FLOAT32:
+        return
+    for kind, flat in list(result.payloads.items()):
+        result.payloads[kind] = _wire_payload(kind, flat, dtype).to(torch.float32)

@@ -15,7 +15,9 @@ import grpc
 import pytest
 import torch
 
-from aggregator_service.engine import initial_model
+from aggregator_service.engine import RoundEngine, initial_model
+from aggregator_service.inprocess import InProcessTransport
+from aggregator_service.peers import LocalPrivacy, LocalSelector
 from fairfl import codec
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.launcher import Child, LocalCluster
@@ -226,3 +228,22 @@ def test_lossy_updates_change_the_model_only_by_their_rounding(
     gap = (lossy - x32).abs()
     assert (gap <= bound).all(), f"largest excess {float((gap - bound).max()):.3g}"
     assert (gap > 0).any(), "the update was not rounded: the run did not use the lossy dtype"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_lossy_run_in_process_rounds_updates_as_the_wire_does(
+    final_models: dict[str, torch.Tensor], dtype: str
+) -> None:
+    """The in-process transport rounds payloads through transport.update_dtype too: the oracle of a lossy gRPC run."""
+    config = _config(f"lossy-{dtype}", dtype)
+    engine = RoundEngine(
+        config.name,
+        config,
+        InProcessTransport(),
+        LocalSelector(config.selection.method),
+        LocalPrivacy(),
+        lambda _: None,
+    )
+    summary = engine.run()
+    assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
+    assert torch.equal(summary.final_params, final_models[dtype])
