@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 FEDERATION = federation_pb2.DESCRIPTOR.services_by_name["Federation"].full_name
 MODEL_CACHE_SIZE = 4
+STOP_GRACE_S = 10.0  # how long a stopping agent waits for its last result to be answered
 FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
 
 
@@ -167,7 +168,7 @@ class Agent:
                 if self.stop.is_set():
                     break
                 self._handle(task)
-        self._finish_submission()
+        self._finish_submission(timeout=STOP_GRACE_S)  # stopping: inside a pod's termination grace period
 
     # -- tasks --------------------------------------------------------------------------------------------------
 
@@ -263,19 +264,23 @@ class Agent:
             log.error("result for %s not sent: %s", task.task_id, err)
             telemetry.AGENT_TASKS.labels(phase, "failed").inc()
 
-    def _finish_submission(self) -> None:
-        """Wait for the result in flight and account for the aggregator's answer."""
+    def _finish_submission(self, timeout: float | None = None) -> None:
+        """Wait (at most `timeout` seconds) for the result in flight and account for the aggregator's answer."""
         if self._in_flight is None:
             return
         call, task_id, phase = self._in_flight
         self._in_flight = None
         try:
-            call.result()
+            call.result(timeout=timeout)
             self.tasks_done += 1
             telemetry.AGENT_TASKS.labels(phase, "submitted").inc()
         except grpc.RpcError as err:
             log.warning("result for %s refused: %s %s", task_id, err.code().name, err.details())
             telemetry.AGENT_TASKS.labels(phase, "refused").inc()
+        except Exception as err:  # cancelled, or still streaming at shutdown: the round goes on without it
+            call.cancel()
+            log.error("result for %s not delivered: %s", task_id, type(err).__name__)
+            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
 
     def submit_async(self, result: ClientResult, runtime: ClientRuntime) -> grpc.Future:
         """Start streaming one result to the aggregator, its payloads in the run's transport.update_dtype and its

@@ -152,8 +152,9 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
     A sum is finite only if every term is (inf and NaN propagate; inf - inf is NaN), so a finite sum proves it; a
     non-finite one may also be an overflow of finite values, which the exact element-wise check settles.
-    torch.isfinite(...).all() alone is ~20x slower than a sum on a CPU. Half-precision values are summed in float32,
-    where they cannot overflow, a block at a time (sum(dtype=float32) of the whole would first copy it to float32)."""
+    torch.isfinite(...).all() alone is ~20x slower than a sum on a CPU. Half-precision values are summed in float32 a
+    block at a time (sum(dtype=float32) of the whole would first copy it to float32); float16 blocks cannot overflow
+    there, bfloat16 ones can (its range is float32's), which only sends them to the exact check."""
     if tensor.numel() == 0 or not tensor.is_floating_point():
         return True
     flat = tensor.reshape(-1)

@@ -659,3 +659,43 @@ def test_an_agent_sends_the_same_dp_release_for_a_task_sent_again() -> None:
     agent._result(runtime, later)
     assert list(agent.released) == [1], "only the newest round can be sent again: older releases are dropped"
     agent.channel.close()
+
+
+class _AnsweredCall:
+    """A SubmitResult future that ends with `error` (None: accepted)."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+        self.cancelled = False
+        self.waited: float | None = None
+
+    def result(self, timeout: float | None = None) -> object:
+        self.waited = timeout
+        if self.error is not None:
+            raise self.error
+        return object()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_an_agent_survives_any_end_of_its_result_in_flight() -> None:
+    import grpc
+
+    from client_agent.agent import STOP_GRACE_S, Agent
+
+    agent = Agent("127.0.0.1:1", [0])
+    try:
+        accepted = _AnsweredCall(None)
+        agent._in_flight = (accepted, "t/ok", "train")
+        agent._finish_submission()
+        assert agent.tasks_done == 1 and agent._in_flight is None and accepted.waited is None
+        for error in (grpc.FutureCancelledError(), grpc.FutureTimeoutError()):
+            call = _AnsweredCall(error)
+            agent._in_flight = (call, "t/lost", "train")
+            agent._finish_submission(timeout=STOP_GRACE_S)  # no exception escapes: the agent keeps running
+            assert call.cancelled and call.waited == STOP_GRACE_S and agent._in_flight is None
+        assert agent.tasks_done == 1
+    finally:
+        agent.channel.close()
