@@ -686,7 +686,8 @@ def fetch_ranges(
             try:
                 position = -1  # before the header
                 for chunk in chunks:
-                    if state.failed.is_set():
+                    if state.failed.is_set():  # a sibling failed, maybe before this call was tracked: end it too
+                        _cancel(chunks)
                         return
                     if position < 0:
                         state.header_seen(_range_header(chunk, total_bytes, sha256), check_header)
