@@ -383,4 +383,7 @@ def test_the_correct_result_is_still_accepted_and_every_refusal_counted(counted:
     assert counted.aggregator.process.poll() is None, "the aggregator died"
     code, details = counted.agent.submit(counted.chunks())
     assert code == Code.OK, (code, details)
-    assert counted.refused() - counted.refused_before == len(counted.sent)
+    # The over-limit message of test_oversized_messages_are_refused is refused by gRPC itself. The handler, already
+    # reading the header before it, then sees either a cancelled call (not counted) or a stream that ended early
+    # (counted as a size refusal), depending on which gRPC settles first: a race, so that one may count.
+    assert counted.refused() - counted.refused_before in (len(counted.sent), len(counted.sent) + 1)
