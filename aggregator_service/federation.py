@@ -72,6 +72,7 @@ class _Agent:
     last_seen: float
     queue: deque[federation_pb2.Task] = field(default_factory=deque)
     principal: str = ""  # fingerprint of the certificate that registered it ("" on a plaintext aggregator)
+    shared: bool = False  # co-hosts its clients with other shared agents (RegisterRequest.shared)
 
 
 @dataclass
@@ -110,7 +111,8 @@ class FederationState:
         self.max_long_polls = max_long_polls
         self.long_polls = 0
         self.agents: dict[str, _Agent] = {}
-        self.client_owner: dict[int, str] = {}
+        self.client_hosts: dict[int, list[str]] = {}  # client id -> ids of the agents hosting it
+        self.assigned: dict[str, str] = {}  # open task id -> the agent it was given to (the one to answer it)
         self.blobs = BlobStore()
         self.run_id: str | None = None
         self.run_yaml: dict[str, str] = {}
@@ -123,25 +125,55 @@ class FederationState:
 
     # -- agents -------------------------------------------------------------------------------------------------
 
-    def register(self, name: str, client_ids: list[int], device: str, principal: str = "") -> _Agent:
+    def register(
+        self, name: str, client_ids: list[int], device: str, principal: str = "", shared: bool = False
+    ) -> _Agent:
         with self.lock:
             agent = _Agent(
-                uuid.uuid4().hex, name, sorted(set(client_ids)), device, time.monotonic(), principal=principal
+                uuid.uuid4().hex,
+                name,
+                sorted(set(client_ids)),
+                device,
+                time.monotonic(),
+                principal=principal,
+                shared=shared,
             )
             taken = set(agent.client_ids)
             for old in [a for a in self.agents.values() if taken & set(a.client_ids)]:
-                # A re-registering agent takes its clients back, with the tasks already queued for them, so a
-                # reconnect does not cost the round its deadline.
+                if shared and old.shared and old.name != name:
+                    continue  # co-hosts: both keep the clients
+                # A re-registering agent takes its clients back, with the tasks already queued for them and those it
+                # was running, so a reconnect does not cost the round its deadline.
                 old.client_ids = [c for c in old.client_ids if c not in taken]
                 agent.queue.extend(t for t in old.queue if t.client_id in taken)
                 old.queue = deque(t for t in old.queue if t.client_id not in taken)
+                for task_id, holder in self.assigned.items():
+                    task = self._task(task_id)
+                    if holder == old.agent_id and task is not None and task.client_id in taken:
+                        self.assigned[task_id] = agent.agent_id
+                for cid in taken:
+                    hosts = self.client_hosts.get(cid, [])
+                    if old.agent_id in hosts:
+                        hosts.remove(old.agent_id)
                 if not old.client_ids:
                     del self.agents[old.agent_id]
             for cid in agent.client_ids:
-                self.client_owner[cid] = agent.agent_id
+                self.client_hosts.setdefault(cid, []).append(agent.agent_id)
             self.agents[agent.agent_id] = agent
             self.lock.notify_all()
             return agent
+
+    def _task(self, task_id: str) -> federation_pb2.Task | None:
+        """An open task (caller holds the lock)."""
+        batch = self.open_tasks.get(task_id)
+        return batch.pending.get(task_id) if batch is not None else None
+
+    def _live(self, agent: _Agent, now: float) -> bool:
+        return now - agent.last_seen < self.agent_timeout
+
+    def hosts(self, client_id: int) -> list[_Agent]:
+        """The agents registered for `client_id` (caller holds the lock)."""
+        return [self.agents[aid] for aid in self.client_hosts.get(client_id, ()) if aid in self.agents]
 
     def touch(self, agent_id: str) -> _Agent | None:
         with self.lock:
@@ -153,21 +185,35 @@ class FederationState:
     def live_clients(self) -> list[int]:
         now = time.monotonic()
         with self.lock:
-            return sorted(
-                cid
-                for cid, aid in self.client_owner.items()
-                if aid in self.agents and now - self.agents[aid].last_seen < self.agent_timeout
-            )
+            return sorted(cid for cid in self.client_hosts if any(self._live(a, now) for a in self.hosts(cid)))
 
     def live_agents(self) -> int:
         now = time.monotonic()
         with self.lock:
-            return sum(1 for a in self.agents.values() if now - a.last_seen < self.agent_timeout)
+            return sum(1 for a in self.agents.values() if self._live(a, now))
 
-    def vanished(self, client_id: int, now: float) -> bool:
-        """The client's agent deregistered or fell silent (caller holds the lock)."""
-        agent = self.agents.get(self.client_owner.get(client_id, ""))
-        return agent is None or now - agent.last_seen >= self.agent_timeout
+    def vanished(self, task_id: str, now: float) -> bool:
+        """The agent given the task deregistered or fell silent (caller holds the lock)."""
+        agent = self.agents.get(self.assigned.get(task_id, ""))
+        return agent is None or not self._live(agent, now)
+
+    def dispatch(self, tasks: list[federation_pb2.Task]) -> list[federation_pb2.Task]:
+        """Queue each task with the least-loaded live host of its client (ties: by name, so the same agents get the
+        same tasks again after a restart); returns the tasks no agent hosts. Caller holds the lock."""
+        now = time.monotonic()
+        load = {aid: len(a.queue) for aid, a in self.agents.items()}
+        unhosted = []
+        for task in tasks:
+            hosts = self.hosts(task.client_id)
+            live = [a for a in hosts if self._live(a, now)]
+            if not hosts:
+                unhosted.append(task)
+                continue
+            agent = min(live or hosts, key=lambda a: (load[a.agent_id], a.name, a.agent_id))
+            load[agent.agent_id] += 1
+            agent.queue.append(task)
+            self.assigned[task.task_id] = agent.agent_id
+        return unhosted
 
     def wake(self) -> None:
         """Wake every waiter (a phase, a wait for clients) so it rechecks its stop event now."""
@@ -247,8 +293,8 @@ class FederationState:
                     reason=kind,
                     cause="late",
                 )
-            owner = self.client_owner.get(header.client_id)
-            if owner is None:
+            hosts = self.client_hosts.get(header.client_id)
+            if not hosts:
                 raise Rejected(
                     grpc.StatusCode.NOT_FOUND,
                     f"unknown client id {header.client_id}: no agent registered it",
@@ -260,17 +306,26 @@ class FederationState:
                     f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}",
                     cause="identity",
                 )
-            if header.agent_id != owner:  # an empty agent id is no excuse: task ids are guessable
+            if header.agent_id not in hosts:  # an empty agent id is no excuse: task ids are guessable
                 raise Rejected(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"client {header.client_id} is hosted by agent {owner[:8]}…, not by the submitting agent "
+                    f"client {header.client_id} is hosted by agent {hosts[0][:8]}…"
+                    f"{f' (and {len(hosts) - 1} more)' if len(hosts) > 1 else ''}, not by the submitting agent "
                     f"{header.agent_id[:8] or '(none given)'}",
                     cause="identity",
                 )
-            if self.agents[owner].principal != principal:  # agent ids are secrets only until a log line leaks one
+            given = self.assigned.get(header.task_id, "")
+            if header.agent_id != given:  # a co-host of the client, but the task went to another agent
                 raise Rejected(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"client {header.client_id}'s agent {owner[:8]}… registered with another certificate than the "
+                    f"task {header.task_id} was given to agent {given[:8]}…, not to the submitting agent "
+                    f"{header.agent_id[:8]}… (both host client {header.client_id})",
+                    cause="identity",
+                )
+            if self.agents[given].principal != principal:  # agent ids are secrets only until a log line leaks one
+                raise Rejected(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"client {header.client_id}'s agent {given[:8]}… registered with another certificate than the "
                     "one submitting this result",
                     cause="identity",
                 )
@@ -320,6 +375,7 @@ class FederationState:
                 )
             del batch.pending[header.task_id]
             del self.open_tasks[header.task_id]
+            self.assigned.pop(header.task_id, None)
             self._remember_closed(header.task_id, header.round, accepted=True)
             self.counters["accepted"] += 1
             if batch.sink is None:
@@ -413,16 +469,11 @@ class GrpcTransport(ClientTransport):
         )
         deadline = time.monotonic() + timeout
         check_every = min(1.0, state.agent_timeout / 4)  # how soon a vanished agent's tasks close
-        missing_owner: list[int] = []
         with state.lock:
-            for task in tasks:
-                agent = state.agents.get(state.client_owner.get(task.client_id, ""))
-                if agent is None:
-                    missing_owner.append(task.client_id)
-                    del batch.pending[task.task_id]
-                    continue
-                state.open_tasks[task.task_id] = batch
-                agent.queue.append(task)
+            for task in state.dispatch(tasks):
+                del batch.pending[task.task_id]
+            for task_id in batch.pending:
+                state.open_tasks[task_id] = batch
             state.lock.notify_all()
             while (
                 batch.pending
@@ -435,13 +486,14 @@ class GrpcTransport(ClientTransport):
                     break
                 state.lock.wait(min(remaining, check_every))
                 now = time.monotonic()
-                if batch.pending and all(state.vanished(t.client_id, now) for t in batch.pending.values()):
+                if batch.pending and all(state.vanished(task_id, now) for task_id in batch.pending):
                     # Nobody left who could answer: close now; those clients may come back in a later round.
                     gone = sorted(t.client_id for t in batch.pending.values())
                     log.info("phase closes early: clients %s vanished mid-round (agent silent or gone)", gone[:20])
                     break
             for task_id in list(batch.pending):  # close the phase: anything still pending is now late
                 state.open_tasks.pop(task_id, None)
+                state.assigned.pop(task_id, None)
                 state._remember_closed(task_id, batch.pending[task_id].round, accepted=False)
             for agent in state.agents.values():  # tasks nobody picked up are withdrawn
                 agent.queue = deque(t for t in agent.queue if t.task_id not in batch.pending)
@@ -512,6 +564,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             list(request.client_ids),
             request.device[:MAX_NAME_CHARS],
             principal=identity.fingerprint if identity is not None else "",
+            shared=request.shared,
         )
         log.info(
             "agent %s (%s, %s) registered %d clients%s",

@@ -69,8 +69,10 @@ class Agent:
         dp_randomness: str = "secure",
         security: TransportSecurity | None = None,
         faults: DropPlan | None = None,
+        shared: bool = False,
     ) -> None:
         self.client_ids = client_ids
+        self.shared = shared  # co-hosts its clients with other agents (simulations: runtime.placement replicated)
         self.faults = faults  # tests only: clients that drop out of each round
         # The DP releases of the newest round with their tasks: a task sent again (the aggregator restarted and
         # re-runs the round it had authorised) gets the same release back instead of fresh noise
@@ -112,7 +114,11 @@ class Agent:
             try:
                 reply = self.stub.Register(
                     federation_pb2.RegisterRequest(
-                        agent_name=self.name, client_ids=self.client_ids, device=str(self.device), version=__version__
+                        agent_name=self.name,
+                        client_ids=self.client_ids,
+                        device=str(self.device),
+                        version=__version__,
+                        shared=self.shared,
                     ),
                     timeout=SHORT_DEADLINE,
                     wait_for_ready=True,
@@ -221,6 +227,14 @@ class Agent:
     def _result(self, runtime: ClientRuntime, task: federation_pb2.Task) -> ClientResult:
         if not (task.WhichOneof("config") == "train" and task.train.HasField("dp")):
             return runtime.run(task)
+        if self.shared and self.dp_randomness != "task":
+            # The same-release guarantee below holds per agent: a re-sent task may reach another co-host, which would
+            # draw fresh noise: a second release the ledger never counted.
+            raise PolicyRefusal(
+                "this agent co-hosts its clients (--shared-clients) and draws DP noise from the OS: a task re-sent "
+                "after an aggregator restart could reach another host and release fresh noise; host DP clients on one "
+                "agent each (runtime.placement: partitioned) or use --dp-randomness task for simulations"
+            )
         same = federation_pb2.Task()
         same.CopyFrom(task)
         same.ClearField("deadline_unix")  # a re-sent task differs only in its deadline
@@ -323,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         default=int(os.environ.get("FAIRFL_CLIENTS_PER_AGENT", "0")),
         help="derive the range from the pod ordinal (StatefulSet): ordinal*N .. ordinal*N+N-1",
     )
+    parser.add_argument(
+        "--shared-clients",
+        action="store_true",
+        default=os.environ.get("FAIRFL_SHARED_CLIENTS", "") == "1",
+        help="co-host the client ids with other agents that say so (simulations: every agent holds the whole "
+        "federated dataset; each task goes to the least-loaded host); env FAIRFL_SHARED_CLIENTS=1",
+    )
     parser.add_argument("--device", default=os.environ.get("FAIRFL_DEVICE", "auto"))
     parser.add_argument("--threads", type=int, default=int(os.environ.get("FAIRFL_THREADS", "1")))
     parser.add_argument("--name", default=os.environ.get("FAIRFL_AGENT_NAME", ""))
@@ -358,7 +379,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if metrics is not None:  # launchers read the metrics port from this line
         print(telemetry.announcement(None, metrics), flush=True)
-    agent = Agent(args.aggregator, client_ids, args.device, args.name, policy, args.dp_randomness, security, faults)
+    agent = Agent(
+        args.aggregator,
+        client_ids,
+        args.device,
+        args.name,
+        policy,
+        args.dp_randomness,
+        security,
+        faults,
+        shared=args.shared_clients,
+    )
 
     import signal
 

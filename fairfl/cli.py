@@ -109,6 +109,7 @@ def run_grpc(
                 config.runtime.agents,
                 config.runtime.device,
                 config.runtime.threads_per_agent,
+                placement=config.agent_placement(),
             )
         try:
             if monitor:

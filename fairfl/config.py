@@ -243,6 +243,13 @@ class RuntimeConfig:
     max_failed_rounds: int = 3
     # Where the aggregator checkpoints this run (<dir>/<run id>/); empty = the aggregator's --checkpoint-dir.
     checkpoint_dir: str = ""
+    # How `fairfl run` spreads the logical clients over its local agents. replicated: every agent can train every
+    # client (in a simulation each holds the whole federated dataset) and the aggregator gives each task to the
+    # least-loaded one, so a round's work splits evenly; partitioned: agent i hosts an even contiguous range, as sites
+    # holding their own data do. auto: replicated, but partitioned for record-level DP (an agent guarantees that a
+    # re-sent DP task gets the same noisy release only for the tasks it ran itself). Deployed agents choose their own
+    # (client_agent --clients, --shared-clients).
+    placement: Literal["auto", "replicated", "partitioned"] = "auto"
 
     def validate(self, path: str) -> None:
         _at_least(self.agents, 1, f"{path}.agents")
@@ -370,6 +377,18 @@ class ExperimentConfig:
             )
         if self.privacy.enabled:
             self._validate_privacy()
+        if self.runtime.placement == "replicated" and self.privacy.enabled and self.privacy.principal == "client":
+            raise ConfigError(
+                "runtime.placement: replicated agents would share record-level DP clients (privacy.principal client), "
+                "and a DP task re-sent after an aggregator restart could reach another agent and release fresh noise; "
+                "use partitioned (or auto)"
+            )
+
+    def agent_placement(self) -> str:
+        """runtime.placement with auto resolved: replicated or partitioned."""
+        if self.runtime.placement != "auto":
+            return self.runtime.placement
+        return "partitioned" if self.privacy.enabled and self.privacy.principal == "client" else "replicated"
 
     def _validate_privacy(self) -> None:
         """Cross-section rules of a DP run; each error names the field to change."""

@@ -189,12 +189,18 @@ class LocalCluster:
         device: str,
         threads: int,
         agent_args: Sequence[str] = (),
+        placement: str = "partitioned",
     ) -> list[Child]:
-        """`agents` agents splitting the client ids evenly; `agent_args` adds options to each."""
+        """`agents` agents splitting the client ids evenly (partitioned) or each hosting all of them (replicated,
+        --shared-clients: the aggregator gives each task to the least-loaded agent); `agent_args` adds options to
+        each."""
+        if placement not in ("partitioned", "replicated"):
+            raise ValueError(f"placement must be partitioned or replicated, got {placement!r}")
         started = []
         bounds = [round(i * num_clients / agents) for i in range(agents + 1)]
+        shared = placement == "replicated"
         for i in range(agents):
-            lo, hi = bounds[i], bounds[i + 1] - 1
+            lo, hi = (0, num_clients - 1) if shared else (bounds[i], bounds[i + 1] - 1)
             started.append(
                 self.spawn(
                     f"agent-{i}",
@@ -210,6 +216,7 @@ class LocalCluster:
                         str(threads),
                         "--name",
                         f"agent-{i}",
+                        *(["--shared-clients"] if shared else []),
                         *agent_args,
                     ],
                     announce=self.metrics,  # an agent announces only its metrics port

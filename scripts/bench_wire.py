@@ -46,14 +46,19 @@ def raw_tensor_bytes(
     """The bytes that had to move (see the module doc): down (model downloads) and up (result tensors).
 
     `rounds` are the run's RoundEvents in order; a round trains from the previous round's model (model_sha256 of the
-    event before; the initial model for round 1) and evaluates its own new model."""
-    owner = owner_of(ranges)
+    event before; the initial model for round 1) and evaluates its own new model. Agents that all host every client
+    (runtime.placement replicated) share a round's tasks evenly, so min(tasks, agents) of them need its model."""
     hosting = {name for name, (lo, hi) in ranges.items() if lo < num_clients and lo <= hi}
+    replicated = len(hosting) > 1 and len(set(ranges.values())) == 1
+    owner = {} if replicated else owner_of(ranges)
     needed: set[tuple[str, str]] = set()
     previous = "initial model"
     up = 0
     for r in rounds:
-        needed |= {(owner[c], previous) for c in r.selected}
+        if replicated:
+            needed |= {(agent, previous) for agent in sorted(hosting)[: len(r.selected)]}
+        else:
+            needed |= {(owner[c], previous) for c in r.selected}
         if r.evaluated:
             needed |= {(agent, r.model_sha256) for agent in hosting}
         up += r.results_accepted * model_bytes

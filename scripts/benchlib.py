@@ -405,9 +405,13 @@ def run_grpc_traced(
                 config.runtime.agents,
                 config.runtime.device,
                 config.runtime.threads_per_agent,
+                placement=config.agent_placement(),
             )
-            bounds = [round(i * config.data.num_clients / len(agents)) for i in range(len(agents) + 1)]
-            trace.client_ranges = {a.name: (bounds[i], bounds[i + 1] - 1) for i, a in enumerate(agents)}
+            if config.agent_placement() == "replicated":  # every agent hosts every client
+                trace.client_ranges = {a.name: (0, config.data.num_clients - 1) for a in agents}
+            else:
+                bounds = [round(i * config.data.num_clients / len(agents)) for i in range(len(agents) + 1)]
+                trace.client_ranges = {a.name: (bounds[i], bounds[i + 1] - 1) for i, a in enumerate(agents)}
             pids = {child.name: child.process.pid for child in cluster.children}
 
             def on_event(event: Any) -> None:

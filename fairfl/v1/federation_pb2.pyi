@@ -59,16 +59,18 @@ PAYLOAD_KIND_GRADIENT: PayloadKind
 PAYLOAD_KIND_FIRST_STEP_UPDATE: PayloadKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("agent_name", "client_ids", "device", "version")
+    __slots__ = ("agent_name", "client_ids", "device", "version", "shared")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     client_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
     version: str
-    def __init__(self, agent_name: _Optional[str] = ..., client_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, agent_name: _Optional[str] = ..., client_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("agent_id", "heartbeat_interval_seconds", "poll_wait_seconds")

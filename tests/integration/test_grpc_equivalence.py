@@ -22,7 +22,7 @@ from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_gr
 STRATEGY_PARAMS = {"fedavg": {}, "fedeba_plus": {"alpha": 0.9, "tau": 0.1}}
 
 
-def _config(dataset: str, strategy: str = "fedavg") -> ExperimentConfig:
+def _config(dataset: str, strategy: str = "fedavg", placement: str = "partitioned") -> ExperimentConfig:
     num_clients = 12 if dataset == "synthetic" else 20
     return experiment_from_dict(
         {
@@ -35,7 +35,7 @@ def _config(dataset: str, strategy: str = "fedavg") -> ExperimentConfig:
             "selection": {"clients_per_round": 4},
             "strategy": {"name": strategy, "params": STRATEGY_PARAMS[strategy]},
             "evaluation": {"every": 1},
-            "runtime": {"agents": 2, "round_timeout_s": 60, "register_timeout_s": 60},
+            "runtime": {"agents": 2, "round_timeout_s": 60, "register_timeout_s": 60, "placement": placement},
         }
     )
 
@@ -58,7 +58,14 @@ def fetch_model(control: control_pb2_grpc.RunControlStub, run_id: str) -> torch.
 def run_over_grpc(config: ExperimentConfig, workdir: Path) -> tuple[torch.Tensor, list[control_pb2.RunEvent], str]:
     with LocalCluster(workdir / "logs") as cluster:
         aggregator, _clustering, privacy = cluster.start_services(workdir)
-        agents = cluster.start_agents(aggregator.address, config.data.num_clients, config.runtime.agents, "cpu", 1)
+        agents = cluster.start_agents(
+            aggregator.address,
+            config.data.num_clients,
+            config.runtime.agents,
+            "cpu",
+            1,
+            placement=config.agent_placement(),
+        )
         assert len({a.process.pid for a in agents} | {aggregator.process.pid, privacy.process.pid}) == 4
         with cluster.open_channel(aggregator.address) as channel:  # mTLS as the launcher's operator
             control = control_pb2_grpc.RunControlStub(channel)
@@ -81,12 +88,17 @@ def _fashion_mnist_available() -> bool:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    ("dataset", "strategy"), [("synthetic", "fedavg"), ("fashion_mnist", "fedavg"), ("synthetic", "fedeba_plus")]
+    ("dataset", "strategy", "placement"),
+    [
+        ("synthetic", "fedavg", "partitioned"),
+        ("fashion_mnist", "fedavg", "replicated"),  # every agent hosts every client: tasks go to the least loaded
+        ("synthetic", "fedeba_plus", "replicated"),
+    ],
 )
-def test_grpc_matches_inprocess(dataset: str, strategy: str, tmp_path: Path) -> None:
+def test_grpc_matches_inprocess(dataset: str, strategy: str, placement: str, tmp_path: Path) -> None:
     if dataset == "fashion_mnist" and not _fashion_mnist_available():
         pytest.skip("Fashion-MNIST is not installed (Debian package dataset-fashion-mnist)")
-    config = _config(dataset, strategy)
+    config = _config(dataset, strategy, placement)
     phases = 2 if strategy == "fedeba_plus" else 1  # FedEBA+: probe (loss + gradient at x_t), then aligned training
     expected, oracle_rounds = oracle(config)
     params, events, logs = run_over_grpc(config, tmp_path)
@@ -109,6 +121,8 @@ def test_grpc_matches_inprocess(dataset: str, strategy: str, tmp_path: Path) -> 
     assert not torch.equal(expected, oracle_initial(config)), "training must have moved the model"
     # Both agents did work, and the privacy service logged every round of the (non-private) run.
     assert "registered as" in logs and "rounds_recorded=3" in logs
+    hosted = config.data.num_clients if placement == "replicated" else config.data.num_clients // 2
+    assert logs.count(f"prepared run eq: {hosted} local clients") == 2
 
 
 def oracle_initial(config: ExperimentConfig) -> torch.Tensor:

@@ -122,3 +122,11 @@ def test_agents_without_run_clients_need_no_model_for_evaluation() -> None:
     ranges = {"agent-0": (0, 4), "agent-1": (5, 9)}
     raw = raw_tensor_bytes([round_event(1, [0], 1, "v2", evaluated=True)], ranges, model_bytes=10, num_clients=5)
     assert raw["model_fetches_needed"] == 2  # agent-0: v1 to train, v2 to evaluate; agent-1 hosts none of the 5
+
+
+def test_replicated_agents_each_need_a_round_model_when_the_round_has_a_task_for_each() -> None:
+    ranges = {"agent-0": (0, 9), "agent-1": (0, 9)}  # runtime.placement replicated: both host every client
+    rounds = [round_event(1, [0, 1, 2], 3, "v2"), round_event(2, [3], 1, "v3", evaluated=True)]
+    raw = raw_tensor_bytes(rounds, ranges, model_bytes=10, num_clients=10)
+    # round 1: both need v1 (three tasks over two agents); round 2: one task, one agent needs v2; evaluation: both v3
+    assert raw["model_fetches_needed"] == 5

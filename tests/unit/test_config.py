@@ -399,3 +399,14 @@ def test_to_yaml_roundtrip_of_non_default_values(tmp_path: Path) -> None:
     path = tmp_path / "saved.yaml"
     path.write_text(cfg.to_yaml())
     assert load_experiment(path) == cfg
+
+
+def test_agent_placement_is_replicated_unless_clients_run_dp_sgd() -> None:
+    assert experiment_from_dict({}).agent_placement() == "replicated"
+    dp = {"privacy": {"enabled": True}, "strategy": {"name": "fedfair"}}
+    assert experiment_from_dict(dp).agent_placement() == "partitioned"  # record-level DP: one host per client
+    assert experiment_from_dict({"runtime": {"placement": "partitioned"}}).agent_placement() == "partitioned"
+    with pytest.raises(ConfigError, match=r"runtime\.placement: replicated agents would share record-level DP"):
+        experiment_from_dict({**dp, "runtime": {"placement": "replicated"}})
+    with pytest.raises(ConfigError, match="placement"):
+        experiment_from_dict({"runtime": {"placement": "everywhere"}})

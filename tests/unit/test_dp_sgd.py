@@ -372,3 +372,23 @@ def test_policy_command_line() -> None:
     assert not DpPolicy.from_args(parser.parse_args([])).active
     with pytest.raises(ValueError, match="--max-sample-rate"):
         DpPolicy.from_args(parser.parse_args(["--max-sample-rate", "0"]))
+
+
+def test_a_cohosting_agent_with_os_randomness_refuses_dp_tasks(caplog: pytest.LogCaptureFixture) -> None:
+    from client_agent.agent import Agent
+
+    # A DP task re-sent after an aggregator restart may reach another co-host: with OS noise that would be a second,
+    # uncounted release, so such an agent runs no DP-SGD (task-seeded noise releases the same values anywhere).
+    agent = Agent("127.0.0.1:1", [0], device="cpu", shared=True)
+    runtime = synthetic_runtime(policy=agent.dp_policy)
+    agent.runtimes = {"r": runtime}
+    before = flatten_parameters(runtime.model).clone()
+    with caplog.at_level("ERROR"):
+        agent._handle(dp_task(noise_multiplier=2.0))
+    assert "co-hosts its clients" in caplog.text and agent._in_flight is None
+    assert torch.equal(flatten_parameters(runtime.model), before)
+    agent.channel.close()
+    seeded = Agent("127.0.0.1:1", [0], device="cpu", shared=True, dp_randomness="task")
+    seeded.runtimes = {"r": runtime}
+    assert seeded._result(runtime, dp_task(noise_multiplier=2.0)).payloads  # trains: the release is reproducible
+    seeded.channel.close()

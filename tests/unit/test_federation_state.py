@@ -157,3 +157,81 @@ def test_a_failing_fold_fails_the_phase_at_once_not_at_its_deadline() -> None:
         transport.execute([_task(0), _task(2)], timeout=30.0, on_result=broken_sink)
     worker.join()
     assert time.monotonic() - started < 5.0
+
+
+# -- co-hosted clients (runtime.placement: replicated) ---------------------------------------------------------------
+
+
+def test_shared_agents_cohost_clients_and_split_a_phase_evenly() -> None:
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    a = state.register("agent-0", list(range(6)), "cpu", shared=True)
+    b = state.register("agent-1", list(range(6)), "cpu", shared=True)
+    assert set(state.agents) == {a.agent_id, b.agent_id}, "a shared registration does not take the clients over"
+    assert state.live_clients() == list(range(6))
+    transport = GrpcTransport(state)
+    given: dict[str, list[int]] = {}
+
+    def agent(agent_id: str) -> None:
+        tasks = state.poll(agent_id, 16, 2.0)
+        given[agent_id] = [t.client_id for t in tasks]
+        for task in tasks:
+            _submit(state, layout, task, agent_id)
+
+    workers = [threading.Thread(target=agent, args=(aid,)) for aid in (a.agent_id, b.agent_id)]
+    for w in workers:
+        w.start()
+    # Clients 0-4 all in one phase: the least-loaded host takes each, so the split is 3/2, not whatever one poll grabs.
+    outcome = transport.execute([_task(c) for c in range(5)], timeout=5.0)
+    for w in workers:
+        w.join()
+    assert sorted(r.client_id for r in outcome.results) == list(range(5))
+    assert sorted(len(v) for v in given.values()) == [2, 3]
+    assert sorted(given[a.agent_id] + given[b.agent_id]) == list(range(5))
+
+
+def test_a_cohost_cannot_answer_a_task_given_to_another_agent() -> None:
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    a = state.register("agent-0", [0], "cpu", shared=True)
+    b = state.register("agent-1", [0], "cpu", shared=True)
+    transport = GrpcTransport(state)
+    worker = threading.Thread(target=lambda: transport.execute([_task(0)], timeout=1.0))
+    worker.start()
+    (task,) = state.poll(a.agent_id, 4, 2.0)  # ties go by name: agent-0
+    with pytest.raises(Rejected, match="was given to agent") as refused:
+        _submit(state, layout, task, b.agent_id)
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    _submit(state, layout, task, a.agent_id)
+    worker.join()
+    assert state.counters["accepted"] == 1
+
+
+def test_a_reconnecting_shared_agent_replaces_its_old_registration_with_its_tasks() -> None:
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    old = state.register("agent-0", [0, 1], "cpu", shared=True)
+    other = state.register("agent-1", [0, 1], "cpu", shared=True)
+    transport = GrpcTransport(state)
+    results: list = []
+    worker = threading.Thread(target=lambda: results.append(transport.execute([_task(0), _task(1)], timeout=5.0)))
+    worker.start()
+    (task,) = state.poll(old.agent_id, 4, 2.0)  # one task each; agent-0 takes its own and then reconnects
+    new = state.register("agent-0", [0, 1], "cpu", shared=True)
+    assert old.agent_id not in state.agents and other.agent_id in state.agents
+    _submit(state, layout, task, new.agent_id)  # the task it was running is now answered under its new id
+    for t in state.poll(other.agent_id, 4, 2.0):
+        _submit(state, layout, t, other.agent_id)
+    worker.join()
+    assert sorted(r.client_id for r in results[0].results) == [0, 1]
+
+
+def test_an_unshared_registration_still_takes_the_clients_over() -> None:
+    state = FederationState()
+    first = state.register("site-a", [0, 1], "cpu", shared=True)
+    second = state.register("site-b", [1, 2], "cpu")  # not shared: client 1 moves to site-b
+    assert state.agents[first.agent_id].client_ids == [0]
+    assert state.client_hosts[1] == [second.agent_id]
