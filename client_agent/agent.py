@@ -16,8 +16,10 @@ import socket
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -45,8 +47,23 @@ log = logging.getLogger(__name__)
 
 FEDERATION = federation_pb2.DESCRIPTOR.services_by_name["Federation"].full_name
 MODEL_CACHE_SIZE = 4
+# Results streamed while the next tasks run: at most this many, and past the first, at most this many payload bytes
+# (small results, evaluations above all, would otherwise wait a round trip each; big ones hold memory).
+MAX_RESULTS_IN_FLIGHT = 8
+IN_FLIGHT_BYTES = 64 * 1024 * 1024
 STOP_GRACE_S = 10.0  # how long a stopping agent waits for its last result to be answered
 FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
+
+
+@dataclass
+class _Submission:
+    """A result handed to the submitting thread; `opened` ends with its SubmitResult call (or the encoding error)."""
+
+    task_id: str
+    phase: str
+    payload_bytes: int
+    opened: Future[grpc.Future] = field(default_factory=Future)
+    abandoned: bool = False  # the agent stopped waiting: a call not opened yet is not opened at all
 
 
 def parse_client_ids(text: str) -> list[int]:
@@ -102,8 +119,10 @@ class Agent:
         self.models: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.stop = threading.Event()
         self.tasks_done = 0
-        # The result being streamed while the next task trains (one at a time): (call, task id, phase label).
-        self._in_flight: tuple[grpc.Future, str, str] | None = None
+        # Results being streamed while the next tasks train, oldest first; one thread encodes them and opens their
+        # calls in order (~2 ms for the default preset's 800 KB), off the training thread.
+        self._in_flight: deque[_Submission] = deque()
+        self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="submit")
         telemetry.AGENT_CLIENTS.set(len(client_ids))
 
     # -- connection ---------------------------------------------------------------------------------------------
@@ -155,7 +174,7 @@ class Agent:
             if not self.agent_id:
                 self._register()
                 continue
-            self._finish_submission()  # the last result of a batch is answered before asking for more work
+            self._finish_submissions()  # a batch's results are answered before asking for more work
             polled = time.monotonic()
             try:
                 reply = self.stub.PollTasks(
@@ -174,7 +193,8 @@ class Agent:
                 if self.stop.is_set():
                     break
                 self._handle(task)
-        self._finish_submission(timeout=STOP_GRACE_S)  # stopping: inside a pod's termination grace period
+        self._finish_submissions(timeout=STOP_GRACE_S)  # stopping: inside a pod's termination grace period
+        self._submitter.shutdown(wait=False, cancel_futures=True)
 
     # -- tasks --------------------------------------------------------------------------------------------------
 
@@ -269,32 +289,52 @@ class Agent:
             return
         telemetry.AGENT_TASK_DURATION.labels(phase).observe(time.perf_counter() - started)
         result.agent_id = self.agent_id
-        self._finish_submission()  # one result on the wire at a time: the previous one's answer first
-        try:
-            # Streamed while the next task trains: the device is not idle for the upload (h3's profile: 8 ms per
-            # 800 KB result, ~40% of a task of the default preset).
-            self._in_flight = (self.submit_async(result, runtime), task.task_id, phase)
-        except codec.CodecError as err:  # nothing was sent; the round closes without this client
-            log.error("result for %s not sent: %s", task.task_id, err)
-            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
+        size = sum(t.numel() * t.element_size() for t in result.payloads.values())
+        while self._in_flight and (
+            len(self._in_flight) >= MAX_RESULTS_IN_FLIGHT
+            or sum(s.payload_bytes for s in self._in_flight) + size > IN_FLIGHT_BYTES
+        ):
+            self._finish_oldest()
+        # Encoded and streamed by the submitting thread while the next task trains: the device is not idle for the
+        # upload (h3's profile: 8 ms per 800 KB result, ~40% of a task of the default preset).
+        submission = _Submission(task.task_id, phase, size)
+        submission.opened = self._submitter.submit(self._open, submission, result, runtime)
+        self._in_flight.append(submission)
 
-    def _finish_submission(self, timeout: float | None = None) -> None:
-        """Wait (at most `timeout` seconds) for the result in flight and account for the aggregator's answer."""
-        if self._in_flight is None:
-            return
-        call, task_id, phase = self._in_flight
-        self._in_flight = None
+    def _open(self, submission: _Submission, result: ClientResult, runtime: ClientRuntime) -> grpc.Future:
+        """On the submitting thread: encode the result and open its call."""
+        if submission.abandoned:
+            raise RuntimeError("the agent stopped before the result was sent")
+        return self.submit_async(result, runtime)
+
+    def _finish_submissions(self, timeout: float | None = None) -> None:
+        """Wait (at most `timeout` seconds in all) for every result in flight and account for the answers."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._in_flight:
+            self._finish_oldest(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _finish_oldest(self, timeout: float | None = None) -> None:
+        """Wait (at most `timeout` seconds) for the oldest result in flight and account for the aggregator's answer."""
+        submission = self._in_flight.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        call: grpc.Future | None = None
         try:
-            call.result(timeout=timeout)
+            call = submission.opened.result(timeout=timeout)
+            call.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             self.tasks_done += 1
-            telemetry.AGENT_TASKS.labels(phase, "submitted").inc()
+            telemetry.AGENT_TASKS.labels(submission.phase, "submitted").inc()
         except grpc.RpcError as err:
-            log.warning("result for %s refused: %s %s", task_id, err.code().name, err.details())
-            telemetry.AGENT_TASKS.labels(phase, "refused").inc()
+            log.warning("result for %s refused: %s %s", submission.task_id, err.code().name, err.details())
+            telemetry.AGENT_TASKS.labels(submission.phase, "refused").inc()
+        except codec.CodecError as err:  # nothing was sent; the round closes without this client
+            log.error("result for %s not sent: %s", submission.task_id, err)
+            telemetry.AGENT_TASKS.labels(submission.phase, "failed").inc()
         except Exception as err:  # cancelled, or still streaming at shutdown: the round goes on without it
-            call.cancel()
-            log.error("result for %s not delivered: %s", task_id, type(err).__name__)
-            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
+            submission.abandoned = True
+            if call is not None:
+                call.cancel()
+            log.error("result for %s not delivered: %s", submission.task_id, type(err).__name__)
+            telemetry.AGENT_TASKS.labels(submission.phase, "failed").inc()
 
     def submit_async(self, result: ClientResult, runtime: ClientRuntime) -> grpc.Future:
         """Start streaming one result to the aggregator, its payloads in the run's transport.update_dtype and its

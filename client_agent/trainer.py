@@ -192,7 +192,7 @@ class ClientRuntime:
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
                 objective = loss + 0.5 * cfg.prox_mu * prox
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad()  # to None: backward then writes the gradient instead of adding it to zeros
             objective.backward()
             if fair_grad is not None:
                 alpha = cfg.alignment.alpha

@@ -24,6 +24,7 @@ from aggregator_service.inprocess import InProcessTransport
 from aggregator_service.peers import LocalPrivacy, LocalSelector
 from aggregator_service.runs import RunManager, RunStartError
 from client_agent.faults import DropPlan
+from fairfl.codec import CodecError
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
 from fairfl.v1 import control_pb2, federation_pb2
 
@@ -683,19 +684,41 @@ class _AnsweredCall:
 def test_an_agent_survives_any_end_of_its_result_in_flight() -> None:
     import grpc
 
-    from client_agent.agent import STOP_GRACE_S, Agent
+    from client_agent.agent import STOP_GRACE_S, Agent, _Submission
+
+    def submission(task_id: str, call: object | None, error: Exception | None = None) -> _Submission:
+        sub = _Submission(task_id, "train", payload_bytes=0)
+        if error is not None:
+            sub.opened.set_exception(error)
+        elif call is not None:
+            sub.opened.set_result(call)  # type: ignore[arg-type]
+        return sub
 
     agent = Agent("127.0.0.1:1", [0])
     try:
-        accepted = _AnsweredCall(None)
-        agent._in_flight = (accepted, "t/ok", "train")
-        agent._finish_submission()
-        assert agent.tasks_done == 1 and agent._in_flight is None and accepted.waited is None
+        agent._in_flight.append(submission("t/ok", _AnsweredCall(None)))
+        agent._finish_submissions()
+        assert agent.tasks_done == 1 and not agent._in_flight
         for error in (grpc.FutureCancelledError(), grpc.FutureTimeoutError()):
             call = _AnsweredCall(error)
-            agent._in_flight = (call, "t/lost", "train")
-            agent._finish_submission(timeout=STOP_GRACE_S)  # no exception escapes: the agent keeps running
-            assert call.cancelled and call.waited == STOP_GRACE_S and agent._in_flight is None
+            lost = submission("t/lost", call)
+            agent._in_flight.append(lost)
+            agent._finish_submissions(timeout=STOP_GRACE_S)  # no exception escapes: the agent keeps running
+            assert call.cancelled and lost.abandoned and call.waited is not None and call.waited <= STOP_GRACE_S
+            assert not agent._in_flight
+        # Still encoding when the agent stops waiting (a short grace period): the call is then never opened.
+        pending = submission("t/slow", None)
+        agent._in_flight.append(pending)
+        agent._finish_submissions(timeout=0.05)
+        assert pending.abandoned and not agent._in_flight
+        opened: list[object] = []
+        agent.submit_async = lambda result, runtime: opened.append(result)  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="stopped before the result was sent"):
+            agent._open(pending, object(), object())  # type: ignore[arg-type]
+        assert opened == []
+        # A payload the wire dtype cannot carry (float16 overflow) was never sent: counted failed, nothing raised.
+        agent._in_flight.append(submission("t/f16", None, error=CodecError("overflow", reason="non_finite")))
+        agent._finish_submissions()
         assert agent.tasks_done == 1
     finally:
         agent.channel.close()
