@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 
 import grpc
+import torch
 
 from aggregator_service.checkpoint import RunCheckpointer, find_unfinished
 from aggregator_service.clustering_peer import RemoteClusterer
@@ -167,12 +168,23 @@ def main(argv: list[str] | None = None) -> int:
         help="privacy service address; empty = in-memory ledger",
     )
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("FAIRFL_THREADS", "1")),
+        help="torch intra-op threads for aggregation (default 1: results are folded on concurrent handler threads "
+        "and a large model's fold splits into ranges on its own threads; an intra-op team on a machine whose cores "
+        "are busy training stalls every kernel waiting for a descheduled member); env FAIRFL_THREADS",
+    )
     telemetry.add_metrics_arguments(parser)
     add_transport_arguments(parser)
     add_limit_arguments(parser)
     add_reliability_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     security = transport_from_args(parser, args)  # also the identity it dials clustering and privacy with
     metrics = telemetry.start_from_args(args, "aggregator")
     policy = access_policy(args.rate_limit, args.rate_burst, args.max_in_flight)

@@ -722,3 +722,11 @@ def test_an_agent_survives_any_end_of_its_result_in_flight() -> None:
         assert agent.tasks_done == 1
     finally:
         agent.channel.close()
+
+
+def test_aggregator_refuses_fewer_than_one_thread(capsys: pytest.CaptureFixture[str]) -> None:
+    from aggregator_service.server import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--threads", "0", "--bind", "127.0.0.1:0"])
+    assert ended.value.code == 2 and "--threads must be at least 1, got 0" in capsys.readouterr().err
