@@ -9,16 +9,18 @@ Runs of the same experiment, one after another:
 - gRPC: the `fairfl run` path. Privacy, clustering and aggregator services and `runtime.agents` client agents as
   separate processes on loopback, mutual TLS with an ephemeral CA, the aggregator checkpointing every round, /metrics
   on every process (fairfl.launcher.LocalCluster, driven as fairfl.cli.run_grpc drives it).
-- gRPC with one agent process and one thread, when the experiment has more: the loop's parallelism, so the ratio
-  shows the platform's own cost rather than what a second agent on a second core buys.
+- gRPC with one agent process and one thread, when the experiment has more: one training thread, so the ratio
+  shows the platform's own cost rather than what a second agent on a second core buys (reported; the acceptance
+  figure is the preset as it is).
 - in-process: `fairfl run --transport inprocess` (the same engine and client code in one process).
-- plain loop: the physical floor, written here with plain torch in one process and one thread: the same model, the
-  same data partition (fairfl.data), the same clients each round (those the gRPC run selected), the same local steps,
-  batch size, lr and batch order (the trainer's task seeds), FedAvg's sample-weighted average, and the same evaluation
-  schedule (every client's test split every `evaluation.every` rounds and in the last). Nothing else: no loss passes,
-  no serialisation, no processes. The trainer (client_agent/trainer.py) also measures every TRAIN task's loss and
-  accuracy before and after its local steps, on `training.loss_eval_batches` batches (0: the client's whole training
-  set); the loop times those two passes separately and reports the floor with them as a second figure.
+- plain loop: the physical floor, written here with plain torch in one process, run with one torch thread and with
+  one per core (the faster one counts): the same model, the same data partition (fairfl.data), the same clients each
+  round (those the gRPC run selected), the same local steps, batch size, lr and batch order (the trainer's task
+  seeds), FedAvg's sample-weighted average, and the same evaluation schedule (every client's test split every
+  `evaluation.every` rounds and in the last). Nothing else: no loss passes, no serialisation, no processes. The
+  trainer (client_agent/trainer.py) also measures every TRAIN task's loss and accuracy before and after its local
+  steps, on `training.loss_eval_batches` batches (0: the client's whole training set); the loop times those two
+  passes separately and reports the floor with them as a second figure.
 
 Seconds per round = wall time from the arrival of round 1's event to the last round's, over the rounds between:
 round 1 (agents fetch the run spec and load their data) is setup and left out, in every run alike. CPU seconds per
@@ -82,12 +84,12 @@ def _check_plain_loop_applies(config: Any) -> None:
         raise SystemExit("bench_round: the plain loop cannot reproduce this experiment: " + "; ".join(problems))
 
 
-def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = True) -> PlainLoop:
+def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = True, threads: int = 1) -> PlainLoop:
     """The experiment's local training and evaluation in one process with plain torch (see the module doc)."""
     from aggregator_service.engine import task_seed  # the trainer's per-(round, client) seed: same batch order
     from client_agent.trainer import build_global_model, load_run_data
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     data = load_run_data(config)
     model = build_global_model(config, data.input_shape, data.num_classes)
     params = list(model.parameters())
@@ -284,14 +286,20 @@ def main(argv: list[str] | None = None) -> int:
     inproc_cpu = (cpu[-1] - cpu[0]) / (len(cpu) - 1)
     print(f"  {inproc_s:.4f} s/round")
 
-    print("plain PyTorch loop")
-    plain = plain_loop(config, selections)
-    n = len(plain.arrivals) - 1
-    passes = sum(plain.loss_pass_seconds[1:]) / n
-    plain_with_passes = (plain.arrivals[-1] - plain.arrivals[0]) / n
-    floor = plain_with_passes - passes
-    plain_cpu = (plain.cpu[-1] - plain.cpu[0]) / n
-    print(f"  {floor:.4f} s/round (+ {passes:.4f} s of the trainer's loss passes)")
+    # The floor is the faster loop: one torch thread, or as many as the machine has cores (a tiny model's kernels may
+    # not gain from more threads, a bigger one's do).
+    loops: dict[int, tuple[float, float, float, float, PlainLoop]] = {}
+    for loop_threads in sorted({1, benchlib.machine_info()["usable_cores"]}):
+        print(f"plain PyTorch loop, {loop_threads} torch thread(s)")
+        plain = plain_loop(config, selections, threads=loop_threads)
+        n = len(plain.arrivals) - 1
+        passes = sum(plain.loss_pass_seconds[1:]) / n
+        with_passes = (plain.arrivals[-1] - plain.arrivals[0]) / n
+        loops[loop_threads] = (with_passes - passes, passes, with_passes, (plain.cpu[-1] - plain.cpu[0]) / n, plain)
+        print(f"  {with_passes - passes:.4f} s/round (+ {passes:.4f} s of the trainer's loss passes)")
+    loop_threads = min(loops, key=lambda t: loops[t][0])
+    floor, passes, plain_with_passes, plain_cpu, plain = loops[loop_threads]
+    floor_setup = f"one process, {loop_threads} torch thread{'s' if loop_threads > 1 else ''}"
 
     grpc_cpu_total = sum(grpc_cpu.values())
     figures = [
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             grpc_s / floor,
             "x",
             ("<=", TARGET_RATIO),
-            note=f"the preset as it is: {setup} vs one process, one thread",
+            note=f"the preset as it is: {setup} vs the faster plain loop ({floor_setup})",
             key="grpc_over_plain",
         )
     ]
@@ -311,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 "gRPC round time / plain loop, at the same parallelism (1 agent x 1 thread)",
                 one_s / floor,
                 "x",
-                ("<=", TARGET_RATIO),
-                note="runtime.agents=1: every client trains in one process on one thread, as in the loop",
+                note="runtime.agents=1: every client trains in one process on one thread; reported, not the "
+                "acceptance figure (that is the preset as it is, runtime.agents: 2 on this 2-core machine)",
                 key="grpc_one_agent_over_plain",
             )
         )
@@ -345,11 +353,16 @@ def main(argv: list[str] | None = None) -> int:
         benchlib.figure("plain loop: seconds per round", floor, "s", key="plain_s"),
         benchlib.figure("plain loop + loss passes: seconds per round", plain_with_passes, "s", key="plain_passes_s"),
     ]
+    figures += [
+        benchlib.figure(f"plain loop, {t} torch thread(s): seconds per round", loops[t][0], "s", key=f"plain_{t}t_s")
+        for t in sorted(loops)
+    ]
     timing = breakdown(trace, measured)
     notes = [
         f"gRPC: {setup} ({agents * threads} threads training in parallel on {benchlib.machine_info()['usable_cores']} "
-        "cores), mutual TLS, a checkpoint every round, /metrics on every process; in-process and plain loop: one "
-        "process, one torch thread.",
+        "cores), mutual TLS, a checkpoint every round, /metrics on every process; in-process: one process, one "
+        f"torch thread; plain loop: the faster of {' and '.join(str(t) for t in sorted(loops))} torch threads "
+        f"({floor_setup}).",
         f"Rounds measured: 2-{config.rounds} ({measured}) of every run; evaluation of all {config.data.num_clients} "
         f"clients every {config.evaluation.every} rounds and in the last included.",
         f"Same work: final mean client accuracy {grpc_final:.2f}% over gRPC, {plain.final_accuracy:.2f}% in the plain "
