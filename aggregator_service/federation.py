@@ -36,7 +36,7 @@ from fairfl.protocol import (
     check_result,
     parse_result_chunk,
 )
-from fairfl.rpc import CHUNK_BYTES
+from fairfl.rpc import CHUNK_BYTES, INLINE_BLOB_BYTES
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ MAX_POLL_WAIT_S = 30.0
 CLOSED_TASK_MEMORY = 200_000
 MAX_CLIENTS_PER_AGENT = 1_000_000
 MAX_NAME_CHARS = 256
+MAX_CACHED_LISTED = 64  # digests of a PollRequest.cached_sha256 read (an agent caches a few models)
 
 
 class Rejected(Exception):
@@ -596,7 +597,25 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             wait = min(wait, max(remaining - 1.0, 0.0))
-        return federation_pb2.PollReply(tasks=self.state.poll(request.agent_id, request.max_tasks, wait))
+        tasks = self.state.poll(request.agent_id, request.max_tasks, wait)
+        return federation_pb2.PollReply(tasks=tasks, blobs=self._inline_blobs(request, tasks))
+
+    def _inline_blobs(
+        self, request: federation_pb2.PollRequest, tasks: list[federation_pb2.Task]
+    ) -> list[federation_pb2.InlineBlob]:
+        """The models of `tasks` the agent does not hold, while they fit in INLINE_BLOB_BYTES (fairfl.rpc)."""
+        limit = min(request.inline_blob_bytes, INLINE_BLOB_BYTES)
+        held = set(request.cached_sha256[:MAX_CACHED_LISTED])
+        blobs: list[federation_pb2.InlineBlob] = []
+        for sha256 in dict.fromkeys(t.model.sha256 for t in tasks if t.HasField("model")):
+            entry = None if sha256 in held else self.state.blobs.get(sha256)
+            if entry is None or entry[0].total_bytes > limit:
+                continue
+            bundle = entry[0]
+            limit -= bundle.total_bytes
+            data = b"".join(chunk.data for chunk in bundle.chunks(CHUNK_BYTES) if chunk.WhichOneof("part") == "data")
+            blobs.append(federation_pb2.InlineBlob(header=bundle.header, data=data))
+        return blobs
 
     def GetRunSpec(self, request: federation_pb2.RunSpecRequest, context: grpc.ServicerContext):
         text = self.state.run_yaml.get(request.run_id)

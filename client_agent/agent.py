@@ -33,6 +33,7 @@ from fairfl.config import experiment_from_yaml
 from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
 from fairfl.protocol import ClientResult, encode_result
 from fairfl.rpc import (
+    INLINE_BLOB_BYTES,
     SHORT_DEADLINE,
     TRANSFER_DEADLINE,
     TransportSecurity,
@@ -178,7 +179,13 @@ class Agent:
             polled = time.monotonic()
             try:
                 reply = self.stub.PollTasks(
-                    federation_pb2.PollRequest(agent_id=self.agent_id, max_tasks=16, wait_seconds=self.poll_wait),
+                    federation_pb2.PollRequest(
+                        agent_id=self.agent_id,
+                        max_tasks=16,
+                        wait_seconds=self.poll_wait,
+                        inline_blob_bytes=INLINE_BLOB_BYTES,
+                        cached_sha256=list(self.models),
+                    ),
                     timeout=self.poll_wait + SHORT_DEADLINE,
                 )
             except grpc.RpcError as err:
@@ -189,6 +196,8 @@ class Agent:
                 continue
             if not reply.tasks and time.monotonic() - polled < self.poll_wait / 2:
                 self.stop.wait(random.uniform(0.2, 1.0))  # answered at once: the aggregator has no worker to spare
+            if reply.blobs and reply.tasks:
+                self._take_inline(reply.tasks[0].run_id, reply.blobs)
             for task in reply.tasks:
                 if self.stop.is_set():
                     break
@@ -215,6 +224,48 @@ class Agent:
             log.info("prepared run %s: %d local clients", run_id, len(hosted))
         return runtime
 
+    def _take_inline(self, run_id: str, blobs: Iterable[federation_pb2.InlineBlob]) -> None:
+        """Cache the models a poll reply carried, checked as a fetch checks them; one that fails is left to
+        FetchBlob (the task fetches it and fails there if it is really bad)."""
+        try:
+            runtime = self._runtime(run_id)
+        except (grpc.RpcError, ValueError) as err:  # the task itself reports this
+            log.warning("run %s not prepared for inline models: %s", run_id, err)
+            return
+        for blob in blobs:
+            sha256, total = blob.header.sha256, blob.header.total_bytes
+            if sha256 in self.models:
+                continue
+            parts = [tensor_pb2.Chunk(header=blob.header), tensor_pb2.Chunk(data=blob.data)]
+            self._make_room()
+            try:
+                self.models[sha256] = self._receive_model(lambda _o, _l, p=parts: iter(p), total, sha256, runtime)
+            except codec.CodecError as err:
+                log.warning("inline model %s… refused (%s); fetching it instead", sha256[:12], err)
+                continue
+            telemetry.AGENT_MODEL_FETCHES.labels("inline").inc()
+
+    def _receive_model(
+        self, open_range: codec.RangeOpener, total_bytes: int, sha256: str, runtime: ClientRuntime
+    ) -> torch.Tensor:
+        """A model's payload (a large one as byte ranges on concurrent streams, hashed as it lands), checked against
+        its sha256 and the run's layout (codec.fetch_ranges)."""
+        _, buffer = codec.fetch_ranges(
+            open_range,
+            total_bytes,
+            sha256,
+            lambda header: runtime.layout.check_specs(list(header.tensors)),
+            max_bytes=runtime.layout.nbytes,
+            streams=FETCH_STREAMS,
+        )
+        telemetry.AGENT_RECEIVED_BYTES.inc(len(buffer))
+        return torch.frombuffer(buffer, dtype=torch.float32) if len(buffer) else torch.empty(0)
+
+    def _make_room(self) -> None:
+        """Evict the least recently used models past the cache size, before a receive: their buffers can be reused."""
+        while len(self.models) >= MODEL_CACHE_SIZE:
+            self.models.popitem(last=False)
+
     def _fetch_model(self, ref: tensor_pb2.BlobRef) -> torch.Tensor:
         cached = self.models.get(ref.sha256)
         if cached is not None:
@@ -222,25 +273,13 @@ class Agent:
             telemetry.AGENT_MODEL_FETCHES.labels("hit").inc()
             return cached
         telemetry.AGENT_MODEL_FETCHES.labels("miss").inc()
-        layout = next(iter(self.runtimes.values())).layout
-        while len(self.models) >= MODEL_CACHE_SIZE:  # before the fetch, so an evicted model's buffer can be reused
-            self.models.popitem(last=False)
 
         def open_range(offset: int, length: int) -> Iterator[tensor_pb2.Chunk]:
             request = tensor_pb2.BlobRef(sha256=ref.sha256, total_bytes=ref.total_bytes, offset=offset, length=length)
             return self._fetch_blob(request, timeout=TRANSFER_DEADLINE)  # the call itself: a failed fetch cancels it
 
-        # A large model arrives as byte ranges on concurrent streams, hashed as it lands (codec.fetch_ranges).
-        _, buffer = codec.fetch_ranges(
-            open_range,
-            ref.total_bytes,
-            ref.sha256,
-            lambda header: layout.check_specs(list(header.tensors)),
-            max_bytes=layout.nbytes,
-            streams=FETCH_STREAMS,
-        )
-        telemetry.AGENT_RECEIVED_BYTES.inc(len(buffer))
-        flat = torch.frombuffer(buffer, dtype=torch.float32) if len(buffer) else torch.empty(0)
+        self._make_room()
+        flat = self._receive_model(open_range, ref.total_bytes, ref.sha256, next(iter(self.runtimes.values())))
         self.models[ref.sha256] = flat
         return flat
 

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 # single message (a chunk, a header with its signature vectors) may exceed it. Chunks stay below it.
 CHUNK_BYTES = 2 * 1024 * 1024
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Blobs (models) up to this size may travel inline in a poll reply, at most this much per reply (< MAX_MESSAGE_BYTES).
+INLINE_BLOB_BYTES = 2 * 1024 * 1024
 
 # Deadlines (seconds) for calls whose duration does not depend on payload size.
 SHORT_DEADLINE = 10.0

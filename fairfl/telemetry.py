@@ -364,7 +364,10 @@ AGENT_TASK_DURATION = _histogram(
     "agent_task_duration_seconds", "Local compute time of one task, by phase.", DURATION_BUCKETS, ["phase"], on=AGT
 )
 AGENT_MODEL_FETCHES = _counter(
-    "agent_model_fetches_total", "Model look-ups by sha256, by cache outcome (hit, miss).", ["cache"], on=AGT
+    "agent_model_fetches_total",
+    "Model look-ups by sha256, by cache outcome (hit; miss: fetched; inline: came with a poll reply).",
+    ["cache"],
+    on=AGT,
 )
 AGENT_RECEIVED_BYTES = _counter("agent_received_bytes_total", "Model payload bytes downloaded.", on=AGT)
 AGENT_SENT_BYTES = _counter("agent_sent_bytes_total", "Result stream bytes uploaded (serialized chunks).", on=AGT)

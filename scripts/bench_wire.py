@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench_wire: the run did not complete: {trace.state} {trace.message}")
     raw = raw_tensor_bytes(trace.rounds, trace.client_ranges, model_bytes, config.data.num_clients)
     wire_up, wire_down = trace.bytes_to_server, trace.bytes_to_client
-    fetched = sum(benchlib.metric(s, "fairfl_agent_model_fetches_total", cache="miss") for s in agent_metrics(trace))
+    fetched = sum(
+        benchlib.metric(s, "fairfl_agent_model_fetches_total", cache=how)
+        for s in agent_metrics(trace)
+        for how in ("miss", "inline")  # fetched, or inline in a poll reply
+    )
     ratio = (wire_up + wire_down) / (raw["up"] + raw["down"])
     figures = [
         benchlib.figure(
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = [
         f"{rounds} rounds of {Path(args.config).name}, {config.runtime.agents} agents, mutual TLS; model "
         f"{layout.numel:,} float32 values ({benchlib.fmt_bytes(model_bytes)}).",
-        f"Model downloads needed: {raw['model_fetches_needed']}; agents fetched {int(fetched)} (their cache misses); "
+        f"Model downloads needed: {raw['model_fetches_needed']}; agents received {int(fetched)} (fetched or inline "
+        "in a poll reply); "
         f"{sum(r.results_accepted for r in trace.rounds)} updates uploaded; {trace.proxy_connections} TCP "
         "connection(s) through the proxy.",
         "Counted from the agents' first connection (TLS handshake, registration, run spec) to the end of the run, "

@@ -26,23 +26,23 @@ from fairfl.v1 import common_pb2 as fairfl_dot_v1_dot_common__pb2
 from fairfl.v1 import tensor_pb2 as fairfl_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61irfl/v1/federation.proto\x12\tfairfl.v1\x1a\x16\x66\x61irfl/v1/common.proto\x1a\x16\x66\x61irfl/v1/tensor.proto\"j\n\x0fRegisterRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x12\n\nclient_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0e\n\x06shared\x18\x05 \x01(\x08\"`\n\rRegisterReply\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x02 \x01(\x01\x12\x19\n\x11poll_wait_seconds\x18\x03 \x01(\x01\"$\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"H\n\x0bPollRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\r\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"+\n\tPollReply\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.fairfl.v1.Task\" \n\x0eRunSpecRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"2\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xperiment_yaml\x18\x02 \x01(\t\"M\n\x11GradientAlignment\x12)\n\rfair_gradient\x18\x01 \x01(\x0b\x32\x12.fairfl.v1.BlobRef\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\"4\n\x08\x46\x61irStep\x12\x13\n\x0bglobal_loss\x18\x01 \x01(\x01\x12\x13\n\x0b\x66\x61ir_lambda\x18\x02 \x01(\x01\"\xa8\x02\n\x05\x44pSgd\x12\x13\n\x0bsample_rate\x18\x01 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x02 \x01(\x01\x12\x11\n\tclip_norm\x18\x03 \x01(\x01\x12\x13\n\x0b\x66\x61ir_lambda\x18\x04 \x01(\x01\x12\x1d\n\x15loss_noise_multiplier\x18\x05 \x01(\x01\x12\x11\n\tloss_clip\x18\x06 \x01(\x01\x12\x15\n\rloss_clip_min\x18\x07 \x01(\x01\x12\x32\n\x0fgrad_normalizer\x18\x08 \x01(\x0e\x32\x19.fairfl.v1.GradNormalizer\x12\x13\n\x0b\x66ixed_batch\x18\t \x01(\r\x12\x19\n\x11shared_loss_batch\x18\n \x01(\x08\x12\x1b\n\x13plaintext_telemetry\x18\x0b \x01(\x08\"\xe4\x03\n\x13LocalTrainingConfig\x12\x15\n\x0blocal_steps\x18\x01 \x01(\rH\x00\x12\x16\n\x0clocal_epochs\x18\x02 \x01(\rH\x00\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\'\n\toptimizer\x18\x05 \x01(\x0e\x32\x14.fairfl.v1.Optimizer\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x0f\n\x07prox_mu\x18\x08 \x01(\x01\x12/\n\talignment\x18\t \x01(\x0b\x32\x1c.fairfl.v1.GradientAlignment\x12&\n\tfair_step\x18\n \x01(\x0b\x32\x13.fairfl.v1.FairStep\x12\x1c\n\x02\x64p\x18\x0b \x01(\x0b\x32\x10.fairfl.v1.DpSgd\x12\x19\n\x11record_first_step\x18\x0c \x01(\x08\x12\x18\n\x10want_bias_update\x18\r \x01(\x08\x12\x17\n\x0fwant_activation\x18\x0e \x01(\x08\x12\x19\n\x11loss_eval_batches\x18\x0f \x01(\r\x12\x32\n\x0f\x61\x63tivation_mode\x18\x10 \x01(\x0e\x32\x19.fairfl.v1.ActivationModeB\x08\n\x06\x62udget\"m\n\x0bProbeConfig\x12\x15\n\rwant_gradient\x18\x01 \x01(\x08\x12\x18\n\x10gradient_batches\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x19\n\x11loss_eval_batches\x18\x04 \x01(\r\",\n\x0e\x45valuateConfig\x12\x1a\n\x12include_train_loss\x18\x01 \x01(\x08\"\xc5\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x1f\n\x05phase\x18\x04 \x01(\x0e\x32\x10.fairfl.v1.Phase\x12\x11\n\tclient_id\x18\x05 \x01(\r\x12!\n\x05model\x18\x06 \x01(\x0b\x32\x12.fairfl.v1.BlobRef\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\x12/\n\x05train\x18\n \x01(\x0b\x32\x1e.fairfl.v1.LocalTrainingConfigH\x00\x12\'\n\x05probe\x18\x0b \x01(\x0b\x32\x16.fairfl.v1.ProbeConfigH\x00\x12-\n\x08\x65valuate\x18\x0c \x01(\x0b\x32\x19.fairfl.v1.EvaluateConfigH\x00\x42\x08\n\x06\x63onfig\"W\n\x07Payload\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.fairfl.v1.PayloadKind\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.fairfl.v1.TensorSpec\"\xd9\x03\n\x0cResultHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x11\n\tclient_id\x18\x04 \x01(\r\x12\x1f\n\x05phase\x18\x05 \x01(\x0e\x32\x10.fairfl.v1.Phase\x12\x10\n\x08\x61gent_id\x18\x06 \x01(\t\x12\x13\n\x0bnum_samples\x18\x07 \x01(\x04\x12\x13\n\x0bloss_before\x18\x08 \x01(\x01\x12\x12\n\nloss_after\x18\t \x01(\x01\x12\x15\n\rtest_accuracy\x18\n \x01(\x01\x12\x11\n\ttest_loss\x18\x0b \x01(\x01\x12\"\n\x07metrics\x18\x0c \x03(\x0b\x32\x11.fairfl.v1.Metric\x12&\n\x0b\x62ias_update\x18\r \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12%\n\nactivation\x18\x0e \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12$\n\x08payloads\x18\x0f \x03(\x0b\x32\x12.fairfl.v1.Payload\x12\x13\n\x0btotal_bytes\x18\x10 \x01(\x04\x12\x0e\n\x06sha256\x18\x11 \x01(\t\x12\x12\n\nnoisy_loss\x18\x12 \x01(\x01\x12\x19\n\x11sha256_in_trailer\x18\x13 \x01(\x08\"\x1f\n\rResultTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"}\n\x0bResultChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fairfl.v1.ResultHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12+\n\x07trailer\x18\x03 \x01(\x0b\x32\x18.fairfl.v1.ResultTrailerH\x00\x42\x06\n\x04part\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*T\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPHASE_TRAIN\x10\x01\x12\x12\n\x0ePHASE_EVALUATE\x10\x02\x12\x0f\n\x0bPHASE_PROBE\x10\x03*M\n\tOptimizer\x12\x19\n\x15OPTIMIZER_UNSPECIFIED\x10\x00\x12\x11\n\rOPTIMIZER_SGD\x10\x01\x12\x12\n\x0eOPTIMIZER_ADAM\x10\x02*g\n\x0eGradNormalizer\x12\x1c\n\x18GRAD_NORMALIZER_EXPECTED\x10\x00\x12\x1c\n\x18GRAD_NORMALIZER_REALIZED\x10\x01\x12\x19\n\x15GRAD_NORMALIZER_FIXED\x10\x02*~\n\x0e\x41\x63tivationMode\x12$\n ACTIVATION_MODE_FINAL_EPOCH_MEAN\x10\x00\x12\x1d\n\x19\x41\x43TIVATION_MODE_EVAL_PASS\x10\x01\x12\'\n#ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN\x10\x02*\x83\x01\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PAYLOAD_KIND_UPDATE\x10\x01\x12\x19\n\x15PAYLOAD_KIND_GRADIENT\x10\x02\x12\"\n\x1ePAYLOAD_KIND_FIRST_STEP_UPDATE\x10\x03\x32\x82\x03\n\nFederation\x12@\n\x08Register\x12\x1a.fairfl.v1.RegisterRequest\x1a\x18.fairfl.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x1b.fairfl.v1.HeartbeatRequest\x1a\x19.fairfl.v1.HeartbeatReply\x12\x39\n\tPollTasks\x12\x16.fairfl.v1.PollRequest\x1a\x14.fairfl.v1.PollReply\x12;\n\nGetRunSpec\x12\x19.fairfl.v1.RunSpecRequest\x1a\x12.fairfl.v1.RunSpec\x12\x33\n\tFetchBlob\x12\x12.fairfl.v1.BlobRef\x1a\x10.fairfl.v1.Chunk0\x01\x12@\n\x0cSubmitResult\x12\x16.fairfl.v1.ResultChunk\x1a\x16.fairfl.v1.SubmitReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61irfl/v1/federation.proto\x12\tfairfl.v1\x1a\x16\x66\x61irfl/v1/common.proto\x1a\x16\x66\x61irfl/v1/tensor.proto\"j\n\x0fRegisterRequest\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x12\n\nclient_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0e\n\x06shared\x18\x05 \x01(\x08\"`\n\rRegisterReply\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x02 \x01(\x01\x12\x19\n\x11poll_wait_seconds\x18\x03 \x01(\x01\"$\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"z\n\x0bPollRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\r\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x19\n\x11inline_blob_bytes\x18\x04 \x01(\x04\x12\x15\n\rcached_sha256\x18\x05 \x03(\t\"C\n\nInlineBlob\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.fairfl.v1.BundleHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Q\n\tPollReply\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.fairfl.v1.Task\x12$\n\x05\x62lobs\x18\x02 \x03(\x0b\x32\x15.fairfl.v1.InlineBlob\" \n\x0eRunSpecRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"2\n\x07RunSpec\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65xperiment_yaml\x18\x02 \x01(\t\"M\n\x11GradientAlignment\x12)\n\rfair_gradient\x18\x01 \x01(\x0b\x32\x12.fairfl.v1.BlobRef\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\"4\n\x08\x46\x61irStep\x12\x13\n\x0bglobal_loss\x18\x01 \x01(\x01\x12\x13\n\x0b\x66\x61ir_lambda\x18\x02 \x01(\x01\"\xa8\x02\n\x05\x44pSgd\x12\x13\n\x0bsample_rate\x18\x01 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x02 \x01(\x01\x12\x11\n\tclip_norm\x18\x03 \x01(\x01\x12\x13\n\x0b\x66\x61ir_lambda\x18\x04 \x01(\x01\x12\x1d\n\x15loss_noise_multiplier\x18\x05 \x01(\x01\x12\x11\n\tloss_clip\x18\x06 \x01(\x01\x12\x15\n\rloss_clip_min\x18\x07 \x01(\x01\x12\x32\n\x0fgrad_normalizer\x18\x08 \x01(\x0e\x32\x19.fairfl.v1.GradNormalizer\x12\x13\n\x0b\x66ixed_batch\x18\t \x01(\r\x12\x19\n\x11shared_loss_batch\x18\n \x01(\x08\x12\x1b\n\x13plaintext_telemetry\x18\x0b \x01(\x08\"\xe4\x03\n\x13LocalTrainingConfig\x12\x15\n\x0blocal_steps\x18\x01 \x01(\rH\x00\x12\x16\n\x0clocal_epochs\x18\x02 \x01(\rH\x00\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\'\n\toptimizer\x18\x05 \x01(\x0e\x32\x14.fairfl.v1.Optimizer\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x0f\n\x07prox_mu\x18\x08 \x01(\x01\x12/\n\talignment\x18\t \x01(\x0b\x32\x1c.fairfl.v1.GradientAlignment\x12&\n\tfair_step\x18\n \x01(\x0b\x32\x13.fairfl.v1.FairStep\x12\x1c\n\x02\x64p\x18\x0b \x01(\x0b\x32\x10.fairfl.v1.DpSgd\x12\x19\n\x11record_first_step\x18\x0c \x01(\x08\x12\x18\n\x10want_bias_update\x18\r \x01(\x08\x12\x17\n\x0fwant_activation\x18\x0e \x01(\x08\x12\x19\n\x11loss_eval_batches\x18\x0f \x01(\r\x12\x32\n\x0f\x61\x63tivation_mode\x18\x10 \x01(\x0e\x32\x19.fairfl.v1.ActivationModeB\x08\n\x06\x62udget\"m\n\x0bProbeConfig\x12\x15\n\rwant_gradient\x18\x01 \x01(\x08\x12\x18\n\x10gradient_batches\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x19\n\x11loss_eval_batches\x18\x04 \x01(\r\",\n\x0e\x45valuateConfig\x12\x1a\n\x12include_train_loss\x18\x01 \x01(\x08\"\xc5\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x1f\n\x05phase\x18\x04 \x01(\x0e\x32\x10.fairfl.v1.Phase\x12\x11\n\tclient_id\x18\x05 \x01(\r\x12!\n\x05model\x18\x06 \x01(\x0b\x32\x12.fairfl.v1.BlobRef\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\x12/\n\x05train\x18\n \x01(\x0b\x32\x1e.fairfl.v1.LocalTrainingConfigH\x00\x12\'\n\x05probe\x18\x0b \x01(\x0b\x32\x16.fairfl.v1.ProbeConfigH\x00\x12-\n\x08\x65valuate\x18\x0c \x01(\x0b\x32\x19.fairfl.v1.EvaluateConfigH\x00\x42\x08\n\x06\x63onfig\"W\n\x07Payload\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.fairfl.v1.PayloadKind\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.fairfl.v1.TensorSpec\"\xd9\x03\n\x0cResultHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x11\n\tclient_id\x18\x04 \x01(\r\x12\x1f\n\x05phase\x18\x05 \x01(\x0e\x32\x10.fairfl.v1.Phase\x12\x10\n\x08\x61gent_id\x18\x06 \x01(\t\x12\x13\n\x0bnum_samples\x18\x07 \x01(\x04\x12\x13\n\x0bloss_before\x18\x08 \x01(\x01\x12\x12\n\nloss_after\x18\t \x01(\x01\x12\x15\n\rtest_accuracy\x18\n \x01(\x01\x12\x11\n\ttest_loss\x18\x0b \x01(\x01\x12\"\n\x07metrics\x18\x0c \x03(\x0b\x32\x11.fairfl.v1.Metric\x12&\n\x0b\x62ias_update\x18\r \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12%\n\nactivation\x18\x0e \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12$\n\x08payloads\x18\x0f \x03(\x0b\x32\x12.fairfl.v1.Payload\x12\x13\n\x0btotal_bytes\x18\x10 \x01(\x04\x12\x0e\n\x06sha256\x18\x11 \x01(\t\x12\x12\n\nnoisy_loss\x18\x12 \x01(\x01\x12\x19\n\x11sha256_in_trailer\x18\x13 \x01(\x08\"\x1f\n\rResultTrailer\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"}\n\x0bResultChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fairfl.v1.ResultHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12+\n\x07trailer\x18\x03 \x01(\x0b\x32\x18.fairfl.v1.ResultTrailerH\x00\x42\x06\n\x04part\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08*T\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPHASE_TRAIN\x10\x01\x12\x12\n\x0ePHASE_EVALUATE\x10\x02\x12\x0f\n\x0bPHASE_PROBE\x10\x03*M\n\tOptimizer\x12\x19\n\x15OPTIMIZER_UNSPECIFIED\x10\x00\x12\x11\n\rOPTIMIZER_SGD\x10\x01\x12\x12\n\x0eOPTIMIZER_ADAM\x10\x02*g\n\x0eGradNormalizer\x12\x1c\n\x18GRAD_NORMALIZER_EXPECTED\x10\x00\x12\x1c\n\x18GRAD_NORMALIZER_REALIZED\x10\x01\x12\x19\n\x15GRAD_NORMALIZER_FIXED\x10\x02*~\n\x0e\x41\x63tivationMode\x12$\n ACTIVATION_MODE_FINAL_EPOCH_MEAN\x10\x00\x12\x1d\n\x19\x41\x43TIVATION_MODE_EVAL_PASS\x10\x01\x12\'\n#ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN\x10\x02*\x83\x01\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PAYLOAD_KIND_UPDATE\x10\x01\x12\x19\n\x15PAYLOAD_KIND_GRADIENT\x10\x02\x12\"\n\x1ePAYLOAD_KIND_FIRST_STEP_UPDATE\x10\x03\x32\x82\x03\n\nFederation\x12@\n\x08Register\x12\x1a.fairfl.v1.RegisterRequest\x1a\x18.fairfl.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x1b.fairfl.v1.HeartbeatRequest\x1a\x19.fairfl.v1.HeartbeatReply\x12\x39\n\tPollTasks\x12\x16.fairfl.v1.PollRequest\x1a\x14.fairfl.v1.PollReply\x12;\n\nGetRunSpec\x12\x19.fairfl.v1.RunSpecRequest\x1a\x12.fairfl.v1.RunSpec\x12\x33\n\tFetchBlob\x12\x12.fairfl.v1.BlobRef\x1a\x10.fairfl.v1.Chunk0\x01\x12@\n\x0cSubmitResult\x12\x16.fairfl.v1.ResultChunk\x1a\x16.fairfl.v1.SubmitReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fairfl.v1.federation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASE']._serialized_start=2733
-  _globals['_PHASE']._serialized_end=2817
-  _globals['_OPTIMIZER']._serialized_start=2819
-  _globals['_OPTIMIZER']._serialized_end=2896
-  _globals['_GRADNORMALIZER']._serialized_start=2898
-  _globals['_GRADNORMALIZER']._serialized_end=3001
-  _globals['_ACTIVATIONMODE']._serialized_start=3003
-  _globals['_ACTIVATIONMODE']._serialized_end=3129
-  _globals['_PAYLOADKIND']._serialized_start=3132
-  _globals['_PAYLOADKIND']._serialized_end=3263
+  _globals['_PHASE']._serialized_start=2890
+  _globals['_PHASE']._serialized_end=2974
+  _globals['_OPTIMIZER']._serialized_start=2976
+  _globals['_OPTIMIZER']._serialized_end=3053
+  _globals['_GRADNORMALIZER']._serialized_start=3055
+  _globals['_GRADNORMALIZER']._serialized_end=3158
+  _globals['_ACTIVATIONMODE']._serialized_start=3160
+  _globals['_ACTIVATIONMODE']._serialized_end=3286
+  _globals['_PAYLOADKIND']._serialized_start=3289
+  _globals['_PAYLOADKIND']._serialized_end=3420
   _globals['_REGISTERREQUEST']._serialized_start=89
   _globals['_REGISTERREQUEST']._serialized_end=195
   _globals['_REGISTERREPLY']._serialized_start=197
@@ -52,37 +52,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREPLY']._serialized_start=333
   _globals['_HEARTBEATREPLY']._serialized_end=364
   _globals['_POLLREQUEST']._serialized_start=366
-  _globals['_POLLREQUEST']._serialized_end=438
-  _globals['_POLLREPLY']._serialized_start=440
-  _globals['_POLLREPLY']._serialized_end=483
-  _globals['_RUNSPECREQUEST']._serialized_start=485
-  _globals['_RUNSPECREQUEST']._serialized_end=517
-  _globals['_RUNSPEC']._serialized_start=519
-  _globals['_RUNSPEC']._serialized_end=569
-  _globals['_GRADIENTALIGNMENT']._serialized_start=571
-  _globals['_GRADIENTALIGNMENT']._serialized_end=648
-  _globals['_FAIRSTEP']._serialized_start=650
-  _globals['_FAIRSTEP']._serialized_end=702
-  _globals['_DPSGD']._serialized_start=705
-  _globals['_DPSGD']._serialized_end=1001
-  _globals['_LOCALTRAININGCONFIG']._serialized_start=1004
-  _globals['_LOCALTRAININGCONFIG']._serialized_end=1488
-  _globals['_PROBECONFIG']._serialized_start=1490
-  _globals['_PROBECONFIG']._serialized_end=1599
-  _globals['_EVALUATECONFIG']._serialized_start=1601
-  _globals['_EVALUATECONFIG']._serialized_end=1645
-  _globals['_TASK']._serialized_start=1648
-  _globals['_TASK']._serialized_end=1973
-  _globals['_PAYLOAD']._serialized_start=1975
-  _globals['_PAYLOAD']._serialized_end=2062
-  _globals['_RESULTHEADER']._serialized_start=2065
-  _globals['_RESULTHEADER']._serialized_end=2538
-  _globals['_RESULTTRAILER']._serialized_start=2540
-  _globals['_RESULTTRAILER']._serialized_end=2571
-  _globals['_RESULTCHUNK']._serialized_start=2573
-  _globals['_RESULTCHUNK']._serialized_end=2698
-  _globals['_SUBMITREPLY']._serialized_start=2700
-  _globals['_SUBMITREPLY']._serialized_end=2731
-  _globals['_FEDERATION']._serialized_start=3266
-  _globals['_FEDERATION']._serialized_end=3652
+  _globals['_POLLREQUEST']._serialized_end=488
+  _globals['_INLINEBLOB']._serialized_start=490
+  _globals['_INLINEBLOB']._serialized_end=557
+  _globals['_POLLREPLY']._serialized_start=559
+  _globals['_POLLREPLY']._serialized_end=640
+  _globals['_RUNSPECREQUEST']._serialized_start=642
+  _globals['_RUNSPECREQUEST']._serialized_end=674
+  _globals['_RUNSPEC']._serialized_start=676
+  _globals['_RUNSPEC']._serialized_end=726
+  _globals['_GRADIENTALIGNMENT']._serialized_start=728
+  _globals['_GRADIENTALIGNMENT']._serialized_end=805
+  _globals['_FAIRSTEP']._serialized_start=807
+  _globals['_FAIRSTEP']._serialized_end=859
+  _globals['_DPSGD']._serialized_start=862
+  _globals['_DPSGD']._serialized_end=1158
+  _globals['_LOCALTRAININGCONFIG']._serialized_start=1161
+  _globals['_LOCALTRAININGCONFIG']._serialized_end=1645
+  _globals['_PROBECONFIG']._serialized_start=1647
+  _globals['_PROBECONFIG']._serialized_end=1756
+  _globals['_EVALUATECONFIG']._serialized_start=1758
+  _globals['_EVALUATECONFIG']._serialized_end=1802
+  _globals['_TASK']._serialized_start=1805
+  _globals['_TASK']._serialized_end=2130
+  _globals['_PAYLOAD']._serialized_start=2132
+  _globals['_PAYLOAD']._serialized_end=2219
+  _globals['_RESULTHEADER']._serialized_start=2222
+  _globals['_RESULTHEADER']._serialized_end=2695
+  _globals['_RESULTTRAILER']._serialized_start=2697
+  _globals['_RESULTTRAILER']._serialized_end=2728
+  _globals['_RESULTCHUNK']._serialized_start=2730
+  _globals['_RESULTCHUNK']._serialized_end=2855
+  _globals['_SUBMITREPLY']._serialized_start=2857
+  _globals['_SUBMITREPLY']._serialized_end=2888
+  _globals['_FEDERATION']._serialized_start=3423
+  _globals['_FEDERATION']._serialized_end=3809
 # @@protoc_insertion_point(module_scope)

@@ -95,20 +95,34 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class PollRequest(_message.Message):
-    __slots__ = ("agent_id", "max_tasks", "wait_seconds")
+    __slots__ = ("agent_id", "max_tasks", "wait_seconds", "inline_blob_bytes", "cached_sha256")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BLOB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SHA256_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     max_tasks: int
     wait_seconds: float
-    def __init__(self, agent_id: _Optional[str] = ..., max_tasks: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    inline_blob_bytes: int
+    cached_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: _Optional[str] = ..., max_tasks: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., inline_blob_bytes: _Optional[int] = ..., cached_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InlineBlob(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: _tensor_pb2.BundleHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[_tensor_pb2.BundleHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PollReply(_message.Message):
-    __slots__ = ("tasks",)
+    __slots__ = ("tasks", "blobs")
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[Task]
-    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ...) -> None: ...
+    blobs: _containers.RepeatedCompositeFieldContainer[InlineBlob]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., blobs: _Optional[_Iterable[_Union[InlineBlob, _Mapping]]] = ...) -> None: ...
 
 class RunSpecRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -1,0 +1,67 @@
+"""Small models inline in poll replies: what the aggregator puts in, and what an agent accepts from them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from aggregator_service.federation import FederationServicer, FederationState
+from client_agent.agent import Agent
+from fairfl.params import flatten_parameters
+from fairfl.rpc import INLINE_BLOB_BYTES
+from fairfl.v1 import federation_pb2
+from tests.unit.test_dp_sgd import synthetic_runtime
+
+
+def _task(ref: object, client: int = 0) -> federation_pb2.Task:
+    return federation_pb2.Task(task_id=f"r/r1/p0/c{client}", run_id="r", round=1, client_id=client, model=ref)
+
+
+def test_a_poll_reply_inlines_each_small_model_once_and_none_the_agent_holds() -> None:
+    runtime = synthetic_runtime()
+    state = FederationState()
+    x0 = flatten_parameters(runtime.model)
+    ref = state.blobs.put(runtime.layout, x0)
+    other = state.blobs.put(runtime.layout, x0 + 1)
+    servicer = FederationServicer(state)
+    tasks = [_task(ref, 0), _task(ref, 1), _task(other, 2)]
+
+    blobs = servicer._inline_blobs(federation_pb2.PollRequest(inline_blob_bytes=INLINE_BLOB_BYTES), tasks)
+    assert [b.header.sha256 for b in blobs] == [ref.sha256, other.sha256]
+    assert torch.equal(torch.frombuffer(bytearray(blobs[0].data), dtype=torch.float32), x0)
+    held = federation_pb2.PollRequest(inline_blob_bytes=INLINE_BLOB_BYTES, cached_sha256=[ref.sha256])
+    assert [b.header.sha256 for b in servicer._inline_blobs(held, tasks)] == [other.sha256]
+    # An agent that asks for none, or whose limit is below the model's size, fetches them instead.
+    assert servicer._inline_blobs(federation_pb2.PollRequest(), tasks) == []
+    small = federation_pb2.PollRequest(inline_blob_bytes=ref.total_bytes - 1)
+    assert servicer._inline_blobs(small, tasks) == []
+    one = federation_pb2.PollRequest(inline_blob_bytes=ref.total_bytes)  # the budget covers one model per reply
+    assert len(servicer._inline_blobs(one, tasks)) == 1
+
+
+def test_an_agent_caches_an_inline_model_only_when_its_digest_and_layout_check(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runtime = synthetic_runtime()
+    state = FederationState()
+    x0 = flatten_parameters(runtime.model)
+    ref = state.blobs.put(runtime.layout, x0)
+    (blob,) = FederationServicer(state)._inline_blobs(
+        federation_pb2.PollRequest(inline_blob_bytes=INLINE_BLOB_BYTES), [_task(ref)]
+    )
+    agent = Agent("127.0.0.1:1", [0], device="cpu")
+    try:
+        agent.runtimes = {"r": runtime}
+        corrupted = federation_pb2.InlineBlob()
+        corrupted.CopyFrom(blob)
+        corrupted.data = b"\x00" + blob.data[1:]
+        with caplog.at_level(logging.WARNING):
+            agent._take_inline("r", [corrupted])
+        assert ref.sha256 not in agent.models and "refused" in caplog.text  # left to FetchBlob
+        agent._take_inline("r", [blob])
+        assert torch.equal(agent.models[ref.sha256], x0)
+        assert torch.equal(agent._fetch_model(ref), x0)  # the task's look-up is a cache hit: no FetchBlob call
+    finally:
+        agent.channel.close()
