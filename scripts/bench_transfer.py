@@ -1,6 +1,6 @@
 """Transfer speed of a ~1 GiB model down to an agent and a ~1 GiB update back up, over mutual TLS on loopback.
 
-    python scripts/bench_transfer.py                  # ~1 GiB, 3 repeats, lossless + float16 + bfloat16 updates
+    python scripts/bench_transfer.py                  # ~1 GiB, 5 repeats, lossless + float16 + bfloat16 updates
     python scripts/bench_transfer.py --json out.json  # also write the final JSON line to a file
     python scripts/bench_transfer.py --hidden 4096 4096 --repeats 5 --dtypes float32
 
@@ -16,12 +16,14 @@ is the client agent, `client_agent.agent.Agent` with its own code paths:
   The update is random: this times the wire, not SGD. One client and one round per upload, with strategy afl by
   default, which aggregates at the end of the round: FedAvg's streaming fold runs inside SubmitResult, so with
   `--strategy fedavg` an upload also times aggregation.
-GB/s = the model's float32 bytes / wall seconds of one call, median over the repeats (the first repeat of each also
-pays for first-touching its buffers). With `transport.update_dtype` float16 or bfloat16 the agent sends half the bytes
-(lossy); those figures are reported apart, still as float32 bytes per second (how fast a 1 GiB float32 update gets
-through), next to the bytes that crossed the wire. Each variant runs on a fresh aggregator process. Also reported:
-CPU seconds of the agent and the aggregator per transfer (Linux) and both processes' peak memory (~7 and ~10 GB: keep
-~18 GB free). About two minutes on a 2-core machine.
+GB/s = the model's float32 bytes / wall seconds of one call, median over the repeats. Each direction first makes one
+cold transfer, reported apart and left out of the median: it first-touches the receive and send buffers that every
+later transfer reuses (codec.TRANSFER_BUFFERS, the heap kept by rpc.tune_allocator), and fresh memory costs this kind
+of VM ~1-3 s of page faults per GiB, once per process, not per round. With `transport.update_dtype` float16 or
+bfloat16 the agent sends half the bytes (lossy); those figures are reported apart, still as float32 bytes per second
+(how fast a 1 GiB float32 update gets through), next to the bytes that crossed the wire. Each variant runs on a fresh
+aggregator process. Also reported: CPU seconds of the agent and the aggregator per transfer (Linux) and both
+processes' peak memory (~7 and ~10 GB: keep ~18 GB free). About three minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -58,15 +60,16 @@ from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2  # noqa: E40
 
 torch.set_num_threads(1)
 GB = 1e9
+COLD = 1  # transfers each way before the measured ones: they first-touch the buffers later ones reuse (see above)
 
 
-def experiment(hidden: list[int], repeats: int, update_dtype: str, strategy: str) -> dict:
+def experiment(hidden: list[int], uploads: int, update_dtype: str, strategy: str) -> dict:
     return {
         "name": "bench-transfer",
         "seed": 0,
         # One client, one round per upload: each round's result is aggregated and dropped before the next arrives.
         # The last round (evaluated) is never reached: the run is stopped after the uploads.
-        "rounds": repeats + 1,
+        "rounds": uploads + 1,
         "data": {"dataset": "synthetic", "num_clients": 1},
         "model": {"name": "mlp", "hidden": hidden},
         "training": {"local_steps": 1, "batch_size": 8},
@@ -148,7 +151,7 @@ def one_run(cluster: LocalCluster, args: argparse.Namespace, update_dtype: str, 
     """One run on a fresh aggregator process (so no earlier run's models stay in its memory)."""
     name = f"aggregator-{update_dtype}"
     aggregator = cluster.start_service(name, "aggregator_service", ["--rate-limit", "0"])
-    config = experiment_from_dict(experiment(args.hidden, args.repeats, update_dtype, args.strategy))
+    config = experiment_from_dict(experiment(args.hidden, COLD + args.repeats, update_dtype, args.strategy))
     run_id = f"bench-transfer-{update_dtype}"
     security = cluster.issue(f"bench-agent-{update_dtype}", ROLE_AGENT, [(0, 0)])
     agent = Agent(aggregator.address, [0], device="cpu", name="bench", security=security)
@@ -167,15 +170,15 @@ def one_run(cluster: LocalCluster, args: argparse.Namespace, update_dtype: str, 
             print(f"{update_dtype}: run set up in {time.perf_counter() - started:.1f}s", flush=True)
             if measure_down:
                 down = []
-                for _ in range(args.repeats):
+                for _ in range(COLD + args.repeats):
                     agent.models.clear()  # the cache by sha256 would answer the next fetch without the wire
                     with Timed(pid) as timed:
                         agent._fetch_model(task.model)
                     down.append(timed)
-                out["down"] = down
+                out["down_cold"], out["down"] = down[:COLD], down[COLD:]
             update = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0)).mul_(1e-3)
             up, wire = [], []
-            for repeat in range(args.repeats):
+            for repeat in range(COLD + args.repeats):
                 if repeat:  # the next round's task, once the aggregator has aggregated this one
                     task = next_train_task(agent, control, run_id)
                 result = ClientResult(
@@ -195,7 +198,7 @@ def one_run(cluster: LocalCluster, args: argparse.Namespace, update_dtype: str, 
                     agent.submit(result, runtime)
                 up.append(timed)
                 wire.append(_sent_bytes() - sent_before)
-            out["up"] = up
+            out["up_cold"], out["up"] = up[:COLD], up[COLD:]
             out["up_wire_bytes"] = int(statistics.median(wire))
             out["aggregator_peak_rss_bytes"] = _peak_rss(str(pid))
             return out
@@ -214,7 +217,12 @@ def _sent_bytes() -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, nargs="+", default=[16384, 16384], help="MLP hidden widths")
-    parser.add_argument("--repeats", type=int, default=3, help="transfers each way per variant (median reported)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="measured transfers each way per variant, after one cold transfer (median reported)",
+    )
     parser.add_argument(
         "--dtypes", nargs="+", default=["float32", "float16", "bfloat16"], choices=["float32", "float16", "bfloat16"]
     )
@@ -241,8 +249,8 @@ def main() -> int:
             runs[dtype] = r = one_run(cluster, args, dtype, measure_down=dtype == "float32")
             gc.collect()  # the agent and its runtime (the model) form reference cycles: free them before the next run
             if "down" in r:
-                print(_line("down", "float32", r["model_bytes"], r["down"]), flush=True)
-            print(_line("up", dtype, r["model_bytes"], r["up"]), flush=True)
+                print(_line("down", "float32", r["model_bytes"], r["down"], r["down_cold"]), flush=True)
+            print(_line("up", dtype, r["model_bytes"], r["up"], r["up_cold"]), flush=True)
     lossless = runs["float32"]
     nbytes = lossless["model_bytes"]
     figures: dict = {
@@ -257,8 +265,12 @@ def main() -> int:
         "bytes_moved": nbytes,
         "down_gbps": _gbps(nbytes, lossless["down"]),
         "up_gbps": _gbps(nbytes, lossless["up"]),
+        "down_cold_gbps": _gbps(nbytes, lossless["down_cold"]),
+        "up_cold_gbps": _gbps(nbytes, lossless["up_cold"]),
         **_details("down", lossless["down"]),
         **_details("up", lossless["up"]),
+        **_details("down_cold", lossless["down_cold"]),
+        **_details("up_cold", lossless["up_cold"]),
         "up_wire_bytes": lossless["up_wire_bytes"],
     }
     for dtype in args.dtypes:
@@ -292,12 +304,13 @@ def _details(key: str, timings: list[Timed]) -> dict[str, list[float]]:
     }
 
 
-def _line(direction: str, dtype: str, nbytes: int, timings: list[Timed]) -> str:
+def _line(direction: str, dtype: str, nbytes: int, timings: list[Timed], cold: list[Timed]) -> str:
     each = ", ".join(f"{t.seconds:.2f}" for t in timings)
     cpu = ", ".join(f"{t.agent_cpu:.1f}+{t.aggregator_cpu:.1f}" for t in timings)
+    first = ", ".join(f"{t.seconds:.2f} s (CPU {t.agent_cpu:.1f}+{t.aggregator_cpu:.1f} s)" for t in cold)
     return (
         f"{direction:4s} {dtype:8s} {nbytes / GB:.3f} GB: median {_gbps(nbytes, timings):.3f} GB/s "
-        f"(wall {each} s; CPU agent+aggregator {cpu} s)"
+        f"(wall {each} s; CPU agent+aggregator {cpu} s; cold first transfer {first})"
     )
 
 
