@@ -49,6 +49,7 @@ CLOSED_TASK_MEMORY = 200_000
 MAX_CLIENTS_PER_AGENT = 1_000_000
 MAX_NAME_CHARS = 256
 MAX_CACHED_LISTED = 64  # digests of a PollRequest.cached_sha256 read (an agent caches a few models)
+MAX_BATCH_RESULTS = 1024  # results in one SubmitResults call (the 4 MiB message limit bounds their size)
 
 
 class Rejected(Exception):
@@ -668,8 +669,50 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 else:
                     raise codec.CodecError("an empty ResultChunk arrived inside the result stream")
 
+        rejected = self._accept(header, data(), rpc.principal(context))
+        if rejected is not None:
+            rpc.refuse(context, SERVICE_NAME, rejected.cause, rejected.code, str(rejected))
+        return federation_pb2.SubmitReply(accepted=True)
+
+    def SubmitResults(self, request: federation_pb2.ResultBatch, context: grpc.ServicerContext):
+        if len(request.results) > MAX_BATCH_RESULTS:
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "size",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.results)} results in one batch; at most {MAX_BATCH_RESULTS}",
+            )
+        principal = rpc.principal(context)
+        statuses = []
+        for header in request.results:
+            rejected = self._accept(header, (), principal, header_only=True)
+            if rejected is None:
+                statuses.append(federation_pb2.ResultStatus(task_id=header.task_id, code=grpc.StatusCode.OK.value[0]))
+                continue
+            telemetry.REQUESTS_REFUSED.labels(SERVICE_NAME, rejected.cause).inc()
+            statuses.append(
+                federation_pb2.ResultStatus(task_id=header.task_id, code=rejected.code.value[0], message=str(rejected))
+            )
+        return federation_pb2.ResultBatchReply(statuses=statuses)
+
+    def _accept(
+        self,
+        header: federation_pb2.ResultHeader,
+        data: Iterable[ResultPart],
+        principal: str,
+        header_only: bool = False,
+    ) -> Rejected | None:
+        """FederationState.accept, counted: None when the result got in, else the refusal (its status and reason).
+        `header_only`: the result must carry no payload (SubmitResults), refused before any buffer is allocated."""
         try:
-            self.state.accept(header, data(), rpc.principal(context))
+            if header_only and (header.total_bytes or header.payloads or header.sha256_in_trailer):
+                raise Rejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"result for task {header.task_id[:200]} declares payload bytes or a sha256 trailer: results "
+                    "with payloads are streamed with SubmitResult",
+                )
+            self.state.accept(header, data, principal)
         except Rejected as rejected:
             if not rejected.late:
                 self.state.count_rejection(header.task_id)
@@ -678,9 +721,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             else:
                 telemetry.RESULTS_REJECTED.labels(rejected.reason).inc()
             log.info("rejected result for %s: %s", header.task_id[:200], rejected)
-            rpc.refuse(context, SERVICE_NAME, rejected.cause, rejected.code, str(rejected))
+            return rejected
         telemetry.RESULTS_ACCEPTED.inc()
-        return federation_pb2.SubmitReply(accepted=True)
+        return None
 
 
 class _Registration:

@@ -331,3 +331,25 @@ class SubmitReply(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class ResultBatch(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ResultHeader]
+    def __init__(self, results: _Optional[_Iterable[_Union[ResultHeader, _Mapping]]] = ...) -> None: ...
+
+class ResultStatus(_message.Message):
+    __slots__ = ("task_id", "code", "message")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    code: int
+    message: str
+    def __init__(self, task_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ResultBatchReply(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedCompositeFieldContainer[ResultStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[ResultStatus, _Mapping]]] = ...) -> None: ...

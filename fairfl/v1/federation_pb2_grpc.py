@@ -65,6 +65,11 @@ class FederationStub:
                 request_serializer=fairfl_dot_v1_dot_federation__pb2.ResultChunk.SerializeToString,
                 response_deserializer=fairfl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.SubmitResults = channel.unary_unary(
+                '/fairfl.v1.Federation/SubmitResults',
+                request_serializer=fairfl_dot_v1_dot_federation__pb2.ResultBatch.SerializeToString,
+                response_deserializer=fairfl_dot_v1_dot_federation__pb2.ResultBatchReply.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -108,6 +113,14 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitResults(self, request, context):
+        """Results without payload bytes (evaluations; probes without a gradient), several in one call, each accepted or
+        refused on its own as SubmitResult would: an agent evaluating many clients sends them together, not a stream each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +153,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.SubmitResult,
                     request_deserializer=fairfl_dot_v1_dot_federation__pb2.ResultChunk.FromString,
                     response_serializer=fairfl_dot_v1_dot_federation__pb2.SubmitReply.SerializeToString,
+            ),
+            'SubmitResults': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitResults,
+                    request_deserializer=fairfl_dot_v1_dot_federation__pb2.ResultBatch.FromString,
+                    response_serializer=fairfl_dot_v1_dot_federation__pb2.ResultBatchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +322,33 @@ class Federation:
             '/fairfl.v1.Federation/SubmitResult',
             fairfl_dot_v1_dot_federation__pb2.ResultChunk.SerializeToString,
             fairfl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fairfl.v1.Federation/SubmitResults',
+            fairfl_dot_v1_dot_federation__pb2.ResultBatch.SerializeToString,
+            fairfl_dot_v1_dot_federation__pb2.ResultBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

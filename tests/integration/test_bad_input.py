@@ -221,6 +221,11 @@ def evaluation_with_payload(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
     return ctx.chunks(dataclasses.replace(ctx.result, payloads={UPDATE: torch.zeros(ctx.layout.numel)}))
 
 
+def declares_payload_bytes(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
+    """An evaluation header in a SubmitResults batch that announces payload bytes (those must be streamed)."""
+    return ctx.edited(lambda h: setattr(h, "total_bytes", ctx.layout.nbytes))
+
+
 Probe = Callable[[Ctx], list[federation_pb2.ResultChunk]]
 
 
@@ -229,6 +234,9 @@ class Plan:
     before: list[tuple[str, Probe]] = field(default_factory=list)  # sent before the correct result
     duplicate: str = ""  # case name: resend the accepted result at once, while the phase is still open
     withhold: str = ""  # case name: send the correct result only after the round has closed
+    # Sent with the correct result in one SubmitResults call (headers only), each answered on its own.
+    batch: list[tuple[str, Probe]] = field(default_factory=list)
+    oversized_batch: str = ""  # case name: a SubmitResults call of more headers than it may carry, before the rest
 
 
 # Keyed by (round, phase, position of the task among that phase's tasks as they were polled).
@@ -265,6 +273,15 @@ PLANS: dict[tuple[int, int, int], Plan] = {
         ]
     ),
     (1, EVALUATE, 3): Plan(withhold="closed_round_evaluation"),
+    (2, EVALUATE, 1): Plan(
+        oversized_batch="batch_too_large",
+        batch=[
+            ("batch_nan_test_loss", nan_test_loss),
+            ("batch_declares_payload", declares_payload_bytes),
+            ("batch_unknown_task", unknown_task),
+            ("batch_other_client", other_client),
+        ],
+    ),
     # Probes of checks that may be missing go last on their task: if one is wrongly accepted, it carried the correct
     # result, so the model and the other cases are unaffected.
     (2, TRAIN, 0): Plan(before=[("missing_sha256", missing_sha256)]),
@@ -298,6 +315,11 @@ EXPECTED: dict[str, tuple[Code | tuple[Code, ...], list[str]]] = {
     "eval_accuracy_out_of_range": (Code.INVALID_ARGUMENT, ["{task}", "test_accuracy", "150"]),
     "eval_nan_test_loss": (Code.INVALID_ARGUMENT, ["{task}", "test_loss", "nan"]),
     "eval_with_payload": (Code.INVALID_ARGUMENT, ["{task}", "evaluation result carries no tensor payload"]),
+    "batch_too_large": (Code.INVALID_ARGUMENT, ["1025 results in one batch", "at most 1024"]),
+    "batch_nan_test_loss": (Code.INVALID_ARGUMENT, ["{task}", "test_loss", "nan"]),
+    "batch_declares_payload": (Code.INVALID_ARGUMENT, ["{task}", "payload bytes", "streamed with SubmitResult"]),
+    "batch_unknown_task": (Code.NOT_FOUND, ["unknown task", f"{RUN_ID}/r9/p0/c"]),
+    "batch_other_client": (Code.PERMISSION_DENIED, ["{task}", "belongs to client {client}"]),
     "eval_wrong_phase": (Code.INVALID_ARGUMENT, ["phase"]),
     # a withheld result arriving after its round closed the task at the deadline is late
     "closed_round_evaluation": (Code.FAILED_PRECONDITION, ["{task}", "closed", "round 1 closed it at its deadline"]),
@@ -418,6 +440,33 @@ class Driver:
             self.answered[(task.round, task.phase)] = self.answered.get((task.round, task.phase), 0) + 1
         return Submission(case, task, header_task, code, details, key is not None, phase_open)
 
+    def submit_batch(
+        self,
+        cases: list[str],
+        task: federation_pb2.Task,
+        headers: list[federation_pb2.ResultHeader],
+        whole_call: bool = False,
+    ) -> list[Submission]:
+        """One SubmitResults call: a Submission per header from its own status (or, for a call refused whole, one
+        for the call)."""
+        phase_open = time.time() < task.deadline_unix
+        try:
+            reply = self.stub.SubmitResults(federation_pb2.ResultBatch(results=headers), timeout=RPC_TIMEOUT)
+        except grpc.RpcError as err:
+            assert whole_call, f"SubmitResults refused whole: {err.code().name} {err.details()}"
+            return [Submission(cases[0], task, task.task_id, err.code(), err.details() or "", True, phase_open)]
+        assert not whole_call, "an oversized batch was answered"
+        assert [s.task_id for s in reply.statuses] == [h.task_id for h in headers], "statuses not in request order"
+        out = []
+        for case, header, status in zip(cases, headers, reply.statuses, strict=True):
+            code = next(c for c in Code if c.value[0] == status.code)
+            key = self.open.get(header.task_id)
+            if code == OK:
+                self.open.pop(header.task_id, None)
+                self.answered[(task.round, task.phase)] = self.answered.get((task.round, task.phase), 0) + 1
+            out.append(Submission(case, task, header.task_id, code, status.message, key is not None, phase_open))
+        return out
+
     def record(self, submission: Submission) -> None:
         assert submission.case not in self.submissions, f"case {submission.case} sent twice"
         self.submissions[submission.case] = submission
@@ -444,6 +493,17 @@ class Driver:
             self.record(submission)
             if submission.code == OK:  # a missing check took the (correct) probe: the task is answered
                 return
+        if plan.oversized_batch:
+            headers = [_header(valid)] * 1025
+            self.record(self.submit_batch([plan.oversized_batch], task, headers, whole_call=True)[0])
+        if plan.batch:
+            cases = [case for case, _ in plan.batch] + ["valid"]
+            headers = [_header(probe(ctx)) for _, probe in plan.batch] + [_header(valid)]
+            *probed, submission = self.submit_batch(cases, task, headers)
+            for each in probed:
+                self.record(each)
+            self.valid.append(submission)
+            return
         if plan.withhold:
             self.open.pop(task.task_id)  # never answered while its phase is open
             self.withheld.append((plan.withhold, task, valid))
@@ -563,7 +623,8 @@ def test_bad_result_is_refused_with_fitting_status(observed: Observed, case: str
 
 
 def test_every_planned_case_has_an_expectation() -> None:
-    planned = {case for plan in PLANS.values() for case, _ in plan.before}
+    planned = {case for plan in PLANS.values() for case, _ in plan.before + plan.batch}
+    planned |= {p.oversized_batch for p in PLANS.values() if p.oversized_batch}
     planned |= {p.duplicate for p in PLANS.values() if p.duplicate} | {p.withhold for p in PLANS.values() if p.withhold}
     planned |= {"closed_round_train", "after_run_end"}
     assert planned == set(EXPECTED)
