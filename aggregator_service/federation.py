@@ -88,6 +88,17 @@ class _Batch:
     sink: ResultSink | None = None  # streaming aggregation: accepted results go here as they arrive
     folding: int = 0  # accepted results inside `sink` right now (they count toward `wanted`)
     error: BaseException | None = None  # a sink failure: the phase fails with it
+    closing: bool = False  # the phase stopped taking results and waits for the folds in flight
+
+    def settled(self) -> bool:
+        """Whether the phase's waiter has something to act on: every task answered, the quorum reached (folds in flight
+        count), a failure, or the last fold of a closing phase done. Results are announced only then, so a phase's
+        waiter (and the long polls sharing the condition) wake once per phase, not once per result."""
+        if self.error is not None:
+            return True
+        if self.closing:
+            return self.folding == 0
+        return not self.pending or len(self.results) + self.folding >= self.wanted
 
 
 class FederationState:
@@ -382,7 +393,8 @@ class FederationState:
             self.counters["accepted"] += 1
             if batch.sink is None:
                 batch.results[result.client_id] = result
-                self.lock.notify_all()
+                if batch.settled():
+                    self.lock.notify_all()
                 return
             if batch.error is not None:  # the phase already failed: its aggregate is void, nothing to fold into
                 return
@@ -401,7 +413,8 @@ class FederationState:
                 batch.folding -= 1
                 if folded and batch.error is None:
                     batch.results[result.client_id] = result
-                self.lock.notify_all()
+                if batch.settled():
+                    self.lock.notify_all()
 
     def count_rejection(self, task_id: str) -> None:
         """Count a refused result for a still-open task with its phase (closed tasks are counted in accept)."""
@@ -499,6 +512,7 @@ class GrpcTransport(ClientTransport):
                 state._remember_closed(task_id, batch.pending[task_id].round, accepted=False)
             for agent in state.agents.values():  # tasks nobody picked up are withdrawn
                 agent.queue = deque(t for t in agent.queue if t.task_id not in batch.pending)
+            batch.closing = True
             while batch.folding:  # accepted results still being folded in: the aggregate must hold them all
                 state.lock.wait()
             if batch.error is not None:
