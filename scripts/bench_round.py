@@ -1,7 +1,7 @@
 """Round overhead: wall time per round of an experiment over gRPC, in-process, and as a plain PyTorch loop.
 
     python scripts/bench_round.py                  # the default preset (experiments/quickstart.yaml), 100 rounds
-    python scripts/bench_round.py --quick          # 30 rounds: a smoke pass
+    python scripts/bench_round.py --quick          # 30 rounds, one pair: a smoke pass
     python scripts/bench_round.py --rounds 200 --json out.json
     python scripts/bench_round.py --profile runs/profile   # also sample every process's stacks (see below)
 
@@ -21,6 +21,12 @@ Runs of the same experiment, one after another:
   trainer (client_agent/trainer.py) also measures every TRAIN task's loss and accuracy before and after its local
   steps, on `training.loss_eval_batches` batches (0: the client's whole training set); the loop times those two
   passes separately and reports the floor with them as a second figure.
+
+The gRPC run and the plain loop are measured in interleaved pairs (`--repeats`, default 3): gRPC, then the loop on
+the same selections, then again. The acceptance figure is the median of the pairs' ratios, each pair's ratio taken
+between runs minutes apart at most, because this kind of shared VM drifts by 10-20% between one run and the next
+(identical runs measured 125-153 ms per round): a single gRPC run set against a single loop run would mostly measure
+the drift. Every pair's ratio is reported.
 
 Seconds per round = wall time from the arrival of round 1's event to the last round's, over the rounds between:
 round 1 (agents fetch the run spec and load their data) is setup and left out, in every run alike. CPU seconds per
@@ -52,6 +58,7 @@ TARGET_RATIO = 1.15  # issue #9: gRPC round time within 1.15x the plain loop (2-
 DEFAULT_CONFIG = benchlib.REPO / "experiments" / "quickstart.yaml"
 QUICK_ROUNDS = 30
 DEFAULT_ROUNDS = 100  # of the preset's 200: the same evaluation every 20 rounds, in half the time
+DEFAULT_REPEATS = 3  # interleaved (gRPC, plain loop) pairs
 EVAL_BATCH = 2048  # the trainer's evaluation batch (client_agent/trainer.py)
 SAME_WORK_POINTS = 2.0  # final accuracies further apart than this: the loop is not reproducing the run
 
@@ -166,6 +173,49 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
     return out
 
 
+@dataclass
+class LoopTiming:
+    """Seconds per round of one plain-loop run: without the trainer's loss passes (the floor), of the passes, with
+    them; CPU seconds per round."""
+
+    floor: float
+    passes: float
+    with_passes: float
+    cpu: float
+    plain: PlainLoop
+
+    @classmethod
+    def of(cls, plain: PlainLoop) -> LoopTiming:
+        n = len(plain.arrivals) - 1
+        passes = sum(plain.loss_pass_seconds[1:]) / n
+        with_passes = (plain.arrivals[-1] - plain.arrivals[0]) / n
+        return cls(with_passes - passes, passes, with_passes, (plain.cpu[-1] - plain.cpu[0]) / n, plain)
+
+
+@dataclass
+class Pair:
+    """A gRPC run and, right after it, the plain loop on its selections (one run per thread count)."""
+
+    trace: benchlib.RunTrace
+    loops: dict[int, LoopTiming]
+
+    @property
+    def grpc_s(self) -> float:
+        return self.trace.round_wall()[0]
+
+    @property
+    def floor_threads(self) -> int:
+        return min(self.loops, key=lambda t: self.loops[t].floor)
+
+    @property
+    def loop(self) -> LoopTiming:
+        return self.loops[self.floor_threads]
+
+    @property
+    def ratio(self) -> float:
+        return self.grpc_s / self.loop.floor
+
+
 # --- the in-process run -------------------------------------------------------------------------------------------
 
 
@@ -253,7 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds: a smoke pass, noisy figures")
     parser.add_argument("--json", type=Path, default=None, help="write the figures JSON here")
     parser.add_argument("--profile", type=Path, default=None, help="sample the gRPC run's stacks into this directory")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help=f"interleaved gRPC / plain-loop pairs (default {DEFAULT_REPEATS}; quick 1)",
+    )
     args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else DEFAULT_REPEATS)
     started = time.perf_counter()
     overrides: dict[str, Any] = {}
     overrides["rounds"] = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
@@ -266,13 +323,34 @@ def main(argv: list[str] | None = None) -> int:
 
     agents, threads = config.runtime.agents, config.runtime.threads_per_agent
     setup = f"{agents} agent processes x {threads} torch thread"
-    print(f"gRPC run: {config.rounds} rounds, {setup}")
-    trace = grpc_run(config, args.profile)
-    grpc_s, measured = trace.round_wall()
+    cores = benchlib.machine_info()["usable_cores"]
+    pairs: list[Pair] = []
+    for repeat in range(repeats):
+        print(f"pair {repeat + 1}/{repeats}: gRPC run, {config.rounds} rounds, {setup}")
+        trace = grpc_run(config, args.profile if repeat == 0 else None)
+        # The floor is the faster loop: one torch thread, or as many as the machine has cores (a tiny model's kernels
+        # may not gain from more threads, a bigger one's do).
+        loops: dict[int, LoopTiming] = {}
+        for loop_threads in sorted({1, cores}):
+            plain = plain_loop(config, [list(r.selected) for r in trace.rounds], threads=loop_threads)
+            loops[loop_threads] = LoopTiming.of(plain)
+        pair = Pair(trace, loops)
+        pairs.append(pair)
+        print(
+            f"  gRPC {pair.grpc_s:.4f} s/round; plain loop "
+            + ", ".join(f"{t} thread(s) {loops[t].floor:.4f}" for t in sorted(loops))
+            + f" (+ loss passes {pair.loop.passes:.4f}); ratio {pair.ratio:.3f}"
+        )
+    by_ratio = sorted(pairs, key=lambda p: p.ratio)
+    middle = by_ratio[len(by_ratio) // 2]  # the median pair (odd counts; the upper middle for even ones)
+    trace, grpc_s, loop = middle.trace, middle.grpc_s, middle.loop
+    measured = trace.round_wall()[1]
     grpc_cpu = trace.round_cpu()
-    selections = [list(r.selected) for r in trace.rounds]
+    ratio = statistics.median(p.ratio for p in pairs)
     grpc_final = next((r.fairness.mean for r in reversed(trace.rounds) if r.evaluated), math.nan)
-    print(f"  {grpc_s:.4f} s/round over rounds 2-{config.rounds}")
+    floor, passes, plain_with_passes, plain_cpu, plain = loop.floor, loop.passes, loop.with_passes, loop.cpu, loop.plain
+    loop_threads = middle.floor_threads
+    floor_setup = f"one process, {loop_threads} torch thread{'s' if loop_threads > 1 else ''}"
 
     one: benchlib.RunTrace | None = None
     if agents != 1 or threads != 1:  # the same run at the loop's parallelism: one agent, one thread
@@ -286,29 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     inproc_cpu = (cpu[-1] - cpu[0]) / (len(cpu) - 1)
     print(f"  {inproc_s:.4f} s/round")
 
-    # The floor is the faster loop: one torch thread, or as many as the machine has cores (a tiny model's kernels may
-    # not gain from more threads, a bigger one's do).
-    loops: dict[int, tuple[float, float, float, float, PlainLoop]] = {}
-    for loop_threads in sorted({1, benchlib.machine_info()["usable_cores"]}):
-        print(f"plain PyTorch loop, {loop_threads} torch thread(s)")
-        plain = plain_loop(config, selections, threads=loop_threads)
-        n = len(plain.arrivals) - 1
-        passes = sum(plain.loss_pass_seconds[1:]) / n
-        with_passes = (plain.arrivals[-1] - plain.arrivals[0]) / n
-        loops[loop_threads] = (with_passes - passes, passes, with_passes, (plain.cpu[-1] - plain.cpu[0]) / n, plain)
-        print(f"  {with_passes - passes:.4f} s/round (+ {passes:.4f} s of the trainer's loss passes)")
-    loop_threads = min(loops, key=lambda t: loops[t][0])
-    floor, passes, plain_with_passes, plain_cpu, plain = loops[loop_threads]
-    floor_setup = f"one process, {loop_threads} torch thread{'s' if loop_threads > 1 else ''}"
-
     grpc_cpu_total = sum(grpc_cpu.values())
     figures = [
         benchlib.figure(
             "gRPC round time / plain PyTorch loop",
-            grpc_s / floor,
+            ratio,
             "x",
             ("<=", TARGET_RATIO),
-            note=f"the preset as it is: {setup} vs the faster plain loop ({floor_setup})",
+            note=f"the preset as it is: {setup} vs the faster plain loop; median of {len(pairs)} interleaved pairs "
+            f"({', '.join(f'{p.ratio:.3f}' for p in pairs)})",
             key="grpc_over_plain",
         )
     ]
@@ -354,15 +418,20 @@ def main(argv: list[str] | None = None) -> int:
         benchlib.figure("plain loop + loss passes: seconds per round", plain_with_passes, "s", key="plain_passes_s"),
     ]
     figures += [
-        benchlib.figure(f"plain loop, {t} torch thread(s): seconds per round", loops[t][0], "s", key=f"plain_{t}t_s")
-        for t in sorted(loops)
+        benchlib.figure(
+            f"plain loop, {t} torch thread(s): seconds per round", middle.loops[t].floor, "s", key=f"plain_{t}t_s"
+        )
+        for t in sorted(middle.loops)
     ]
     timing = breakdown(trace, measured)
     notes = [
         f"gRPC: {setup} ({agents * threads} threads training in parallel on {benchlib.machine_info()['usable_cores']} "
         "cores), mutual TLS, a checkpoint every round, /metrics on every process; in-process: one process, one "
-        f"torch thread; plain loop: the faster of {' and '.join(str(t) for t in sorted(loops))} torch threads "
-        f"({floor_setup}).",
+        f"torch thread; plain loop: the faster of {' and '.join(str(t) for t in sorted(middle.loops))} torch threads "
+        f"({floor_setup} in the median pair).",
+        f"{len(pairs)} interleaved pairs (a gRPC run, then the plain loop on its selections), gRPC / loop ratios "
+        + ", ".join(f"{p.grpc_s:.4f} / {p.loop.floor:.4f} s = {p.ratio:.3f}" for p in pairs)
+        + "; the seconds-per-round figures and the breakdown below are the median pair's.",
         f"Rounds measured: 2-{config.rounds} ({measured}) of every run; evaluation of all {config.data.num_clients} "
         f"clients every {config.evaluation.every} rounds and in the last included.",
         f"Same work: final mean client accuracy {grpc_final:.2f}% over gRPC, {plain.final_accuracy:.2f}% in the plain "
@@ -377,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     details = {
         "config": str(args.config),
         "rounds": config.rounds,
+        "pairs": [
+            {"grpc_s": p.grpc_s, "plain_s": {t: lt.floor for t, lt in p.loops.items()}, "ratio": p.ratio} for p in pairs
+        ],
         "agents": agents,
         "threads_per_agent": threads,
         "grpc_cpu_per_round": {k: round(v, 5) for k, v in grpc_cpu.items()},
