@@ -628,8 +628,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 continue
             bundle = entry[0]
             limit -= bundle.total_bytes
-            data = b"".join(chunk.data for chunk in bundle.chunks(CHUNK_BYTES) if chunk.WhichOneof("part") == "data")
-            blobs.append(federation_pb2.InlineBlob(header=bundle.header, data=data))
+            blobs.append(federation_pb2.InlineBlob(header=bundle.header, data=b"".join(bundle.buffers)))
         return blobs
 
     def GetRunSpec(self, request: federation_pb2.RunSpecRequest, context: grpc.ServicerContext):
