@@ -30,11 +30,13 @@ from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
 from fairfl.protocol import (
     ClientResult,
+    ReceivedUpload,
     ResultAssembler,
     ResultPart,
     check_against_task,
     check_result,
     parse_result_chunk,
+    parse_result_upload,
 )
 from fairfl.rpc import CHUNK_BYTES, INLINE_BLOB_BYTES
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
@@ -269,10 +271,17 @@ class FederationState:
             agent = self.agents.get(agent_id)
             return None if agent is None else agent.principal
 
-    def accept(self, header: federation_pb2.ResultHeader, data: Iterable[bytes], principal: str = "") -> None:
+    def accept(
+        self,
+        header: federation_pb2.ResultHeader,
+        data: Iterable[bytes],
+        principal: str = "",
+        sha256_optional: bool = False,
+    ) -> None:
         """Validate a result stream and file it with its phase; raises Rejected with the status to return.
 
-        `principal` is the submitting certificate's fingerprint ("" on a plaintext aggregator)."""
+        `principal` is the submitting certificate's fingerprint ("" on a plaintext aggregator); `sha256_optional`:
+        the header may omit the payload's sha256 (ResultAssembler)."""
         with self.lock:
             batch = self.open_tasks.get(header.task_id)
             task = batch.pending.get(header.task_id) if batch else None
@@ -351,7 +360,7 @@ class FederationState:
                 )
         assert layout is not None
         try:
-            assembler = ResultAssembler(header, layout)
+            assembler = ResultAssembler(header, layout, sha256_optional)
             for piece in data:
                 assembler.add(piece)
             result = assembler.finish()
@@ -687,6 +696,25 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             rpc.refuse(context, SERVICE_NAME, rejected.cause, rejected.code, str(rejected))
         return federation_pb2.SubmitReply(accepted=True)
 
+    def UploadResult(self, request: ReceivedUpload, context: grpc.ServicerContext):
+        if request.error:
+            rpc.refuse(context, SERVICE_NAME, "malformed", grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        header = request.header
+        problem = ""
+        if header.sha256_in_trailer:
+            problem = "an UploadResult has no trailer: put the payload's sha256 in the header"
+        elif header.total_bytes != len(request.data):
+            declared, carried = header.total_bytes, len(request.data)
+            problem = f"the header declares {declared} payload bytes but the upload carries {carried}"
+        data: list[ResultPart] = [request.data] if len(request.data) else []
+        principal = rpc.principal(context)
+        # One message over mutual TLS: every byte is authenticated already, so the sha256 may be left out (a digest
+        # computed from the very bytes it travels with adds nothing); over plaintext it is required.
+        rejected = self._accept(header, data, principal, malformed=problem, sha256_optional=bool(principal))
+        if rejected is not None:
+            rpc.refuse(context, SERVICE_NAME, rejected.cause, rejected.code, str(rejected))
+        return federation_pb2.SubmitReply(accepted=True)
+
     def SubmitResults(self, request: federation_pb2.ResultBatch, context: grpc.ServicerContext):
         if len(request.results) > MAX_BATCH_RESULTS:
             rpc.refuse(
@@ -715,17 +743,22 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         data: Iterable[ResultPart],
         principal: str,
         header_only: bool = False,
+        malformed: str = "",
+        sha256_optional: bool = False,
     ) -> Rejected | None:
         """FederationState.accept, counted: None when the result got in, else the refusal (its status and reason).
-        `header_only`: the result must carry no payload (SubmitResults), refused before any buffer is allocated."""
+        `header_only`: the result must carry no payload (SubmitResults), refused before any buffer is allocated;
+        `malformed`: what the call found wrong with the result's framing already (refused and counted as such)."""
         try:
+            if malformed:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"result for task {header.task_id[:200]}: {malformed}")
             if header_only and (header.total_bytes or header.payloads or header.sha256_in_trailer):
                 raise Rejected(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"result for task {header.task_id[:200]} declares payload bytes or a sha256 trailer: results "
                     "with payloads are streamed with SubmitResult",
                 )
-            self.state.accept(header, data, principal)
+            self.state.accept(header, data, principal, sha256_optional)
         except Rejected as rejected:
             if not rejected.late:
                 self.state.count_rejection(header.task_id)
@@ -755,8 +788,8 @@ class _Registration:
 def add_federation_servicer(servicer: FederationServicer, server: grpc.Server) -> None:
     """Register the Federation service as federation_pb2_grpc.add_FederationServicer_to_server does, except that the
     bulk methods handle data chunks as raw bytes: FetchBlob serialises each straight from the blob's memory and
-    SubmitResult reads each as a view of the received message (codec.Framed, codec.chunk_parser). The wire format is
-    the same protobuf."""
+    SubmitResult and UploadResult read them as views of the received message (codec.Framed, codec.chunk_parser,
+    protocol.parse_result_upload). The wire format is the same protobuf."""
     generated = _Registration()
     federation_pb2_grpc.add_FederationServicer_to_server(servicer, generated)
     handlers = dict(generated.handlers)
@@ -769,6 +802,11 @@ def add_federation_servicer(servicer: FederationServicer, server: grpc.Server) -
     handlers["SubmitResult"] = grpc.stream_unary_rpc_method_handler(
         servicer.SubmitResult,
         request_deserializer=parse_result_chunk,
+        response_serializer=federation_pb2.SubmitReply.SerializeToString,
+    )
+    handlers["UploadResult"] = grpc.unary_unary_rpc_method_handler(
+        servicer.UploadResult,
+        request_deserializer=parse_result_upload,
         response_serializer=federation_pb2.SubmitReply.SerializeToString,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -123,7 +123,7 @@ class Aggregator:
 def access_policy(rate: float = 200.0, burst: int = 1000, max_in_flight: int = 64) -> AccessPolicy:
     """Agents use the Federation API, services and operators (service certificates) RunControl. Every Federation
     method but the long-poll is rate limited per caller; PollTasks waits by design and each agent holds one."""
-    limited = ("Register", "Heartbeat", "GetRunSpec", "FetchBlob", "SubmitResult", "SubmitResults")
+    limited = ("Register", "Heartbeat", "GetRunSpec", "FetchBlob", "SubmitResult", "SubmitResults", "UploadResult")
     return AccessPolicy(
         roles={FEDERATION_SERVICE: frozenset({tls.ROLE_AGENT}), CONTROL_SERVICE: frozenset({tls.ROLE_SERVICE})},
         rate_limited=frozenset(f"/{FEDERATION_SERVICE}/{m}" for m in limited),

@@ -31,8 +31,9 @@ from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
 from fairfl import __version__, codec, telemetry, tls
 from fairfl.config import experiment_from_yaml
 from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
-from fairfl.protocol import ClientResult, encode_result
+from fairfl.protocol import ClientResult, encode_result, encode_upload
 from fairfl.rpc import (
+    CHUNK_BYTES,
     INLINE_BLOB_BYTES,
     SHORT_DEADLINE,
     TRANSFER_DEADLINE,
@@ -56,6 +57,10 @@ IN_FLIGHT_BYTES = 64 * 1024 * 1024
 # a stream each cost more than the evaluation itself (~2 ms of CPU on agent and aggregator for a 0.7 ms evaluation).
 BATCH_RESULTS = 256
 MAX_TASKS_PER_POLL = 64
+# Results with at most this many payload bytes go in one UploadResult call (header and bytes in one message, below
+# gRPC's 4 MiB default limit): a stream costs a thread and a round trip per message on both sides, ~1 ms of CPU and
+# several of latency for the default preset's 800 KB update. Bigger ones are streamed in chunks.
+UPLOAD_BYTES = CHUNK_BYTES
 STOP_GRACE_S = 10.0  # how long a stopping agent waits for its last result to be answered
 FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
 
@@ -63,7 +68,8 @@ FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for on
 @dataclass
 class _Submission:
     """Results handed to the submitting thread; `opened` ends with their call (or the encoding error): one result's
-    SubmitResult stream, or a SubmitResults call for several without payloads (`batch`: their task ids and phases)."""
+    UploadResult call or SubmitResult stream, or a SubmitResults call for several without payloads (`batch`: their task
+    ids and phases)."""
 
     task_id: str
     phase: str
@@ -72,6 +78,8 @@ class _Submission:
     abandoned: bool = False  # the agent stopped waiting: a call not opened yet is not opened at all
     batch: list[tuple[str, str]] = field(default_factory=list)
     headers: list[federation_pb2.ResultHeader] = field(default_factory=list)  # a batch's, once encoded
+    # A result sent in one UploadResult call: kept to stream it instead if the aggregator lacks that call.
+    upload: tuple[ClientResult, ClientRuntime] | None = None
 
 
 def parse_client_ids(text: str) -> list[int]:
@@ -109,6 +117,7 @@ class Agent:
         self.device = resolve_device(device)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.channel = open_channel(aggregator, security)  # mTLS as this agent's certificate, unless --insecure
+        self.tls = security is not None
         self.stub = federation_pb2_grpc.FederationStub(self.channel)
         # The bulk calls with data chunks as raw bytes, same wire format: FetchBlob's are read as views of the
         # received messages, SubmitResult's serialised once from the tensor memory (codec.chunk_parser, codec.Framed).
@@ -122,8 +131,14 @@ class Agent:
             request_serializer=codec.serialize,
             response_deserializer=federation_pb2.SubmitReply.FromString,
         )
+        self._upload_result = self.channel.unary_unary(
+            f"/{FEDERATION}/UploadResult",
+            request_serializer=codec.serialize,
+            response_deserializer=federation_pb2.SubmitReply.FromString,
+        )
         self._submit_results = self.stub.SubmitResults
         self.batching = True  # SubmitResults for results without payloads (off against an aggregator without it)
+        self.uploading = True  # UploadResult for payloads up to UPLOAD_BYTES (off against an aggregator without it)
         self._batch: list[tuple[str, ClientResult, ClientRuntime]] = []  # (phase, result, runtime) not yet sent
         self.agent_id = ""
         self.runtimes: dict[str, ClientRuntime] = {}
@@ -371,6 +386,8 @@ class Agent:
         """On the submitting thread: encode the result and open its call."""
         if submission.abandoned:
             raise RuntimeError("the agent stopped before the result was sent")
+        if self._fits_upload(result, runtime):
+            submission.upload = (result, runtime)
         return self.submit_async(result, runtime)
 
     def _open_batch(self, submission: _Submission, batch: list[tuple[str, ClientResult, ClientRuntime]]) -> grpc.Future:
@@ -405,6 +422,9 @@ class Agent:
         except grpc.RpcError as err:
             if submission.batch and err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._unbatch(submission)
+                return
+            if submission.upload is not None and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._restream(submission)
                 return
             log.warning("result for %s refused: %s %s", submission.task_id, err.code().name, err.details())
             for phase in phases:
@@ -448,11 +468,35 @@ class Agent:
             self.tasks_done += 1
             telemetry.AGENT_TASKS.labels(phase, "submitted").inc()
 
+    def _restream(self, submission: _Submission) -> None:
+        """An aggregator without UploadResult: stream this result with SubmitResult, and every one from now on."""
+        log.warning("the aggregator does not implement UploadResult; streaming every result with SubmitResult")
+        self.uploading = False
+        assert submission.upload is not None
+        try:
+            self.submit(*submission.upload)
+        except grpc.RpcError as err:
+            log.warning("result for %s refused: %s %s", submission.task_id, err.code().name, err.details())
+            telemetry.AGENT_TASKS.labels(submission.phase, "refused").inc()
+            return
+        self.tasks_done += 1
+        telemetry.AGENT_TASKS.labels(submission.phase, "submitted").inc()
+
+    def _fits_upload(self, result: ClientResult, runtime: ClientRuntime) -> bool:
+        """Whether `result` goes in one UploadResult call (its payload bytes, in the run's wire dtype, fit one)."""
+        layout = runtime.layout.with_payload_dtype(runtime.config.transport.update_dtype)
+        return self.uploading and 0 < layout.payload_nbytes * len(result.payloads) <= UPLOAD_BYTES
+
     def submit_async(self, result: ClientResult, runtime: ClientRuntime) -> grpc.Future:
-        """Start streaming one result to the aggregator, its payloads in the run's transport.update_dtype and its
-        sha256 in a trailer (hashed while it streams); the call's result() raises grpc.RpcError when it is refused.
+        """Start sending one result to the aggregator, its payloads in the run's transport.update_dtype: one
+        UploadResult call when they fit in one message (the sha256 in the header), else a SubmitResult stream with the
+        sha256 in a trailer (hashed while it streams). The call's result() raises grpc.RpcError when it is refused.
         Raises codec.CodecError at once when a payload cannot be sent in that dtype (float16 overflow)."""
         layout = runtime.layout.with_payload_dtype(runtime.config.transport.update_dtype)
+        if self._fits_upload(result, runtime):
+            upload = encode_upload(result, layout, with_sha256=not self.tls)  # TLS authenticates the one message
+            telemetry.AGENT_SENT_BYTES.inc(upload.ByteSize())
+            return self._upload_result.future(upload, timeout=TRANSFER_DEADLINE)
         chunks = encode_result(result, layout, sha256_in_trailer=True, framed=True)
         first = next(chunks)  # casts and checks the payloads before the call opens
         return self._submit_result.future(_counted(itertools.chain([first], chunks)), timeout=TRANSFER_DEADLINE)

@@ -324,6 +324,7 @@ def iter_byte_chunks(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYT
 # parsed by hand, its bytes are a view of the received message instead of two copies. Anything else goes through
 # protobuf, so what is accepted is exactly what protobuf would parse.
 
+_HEADER_TAG = 0x0A  # field 1, wire type 2 (length-delimited)
 _DATA_TAG = 0x12  # field 2, wire type 2
 
 
@@ -379,19 +380,51 @@ class DataChunk:
         return self._size
 
 
+def _read_varint(raw: bytes, at: int) -> tuple[int, int] | None:
+    """(value, offset after it) of the varint at `at`, or None if it runs past the end or past 10 bytes."""
+    value, shift = 0, 0
+    for position in range(at, min(len(raw), at + 10)):
+        byte = raw[position]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position + 1
+        shift += 7
+    return None
+
+
 def data_view(raw: bytes) -> memoryview | None:
     """The bytes of `raw` if it is exactly one `data` field (tag, varint length, bytes), as a view; else None."""
     if len(raw) < 2 or raw[0] != _DATA_TAG:
         return None
-    size, shift, at = 0, 0, 1
-    while at < len(raw) and at <= 10:  # a varint has at most 10 bytes
-        byte = raw[at]
-        size |= (byte & 0x7F) << shift
-        at += 1
-        if not byte & 0x80:
-            return memoryview(raw)[at:] if at + size == len(raw) else None
-        shift += 7
-    return None
+    size = _read_varint(raw, 1)
+    return memoryview(raw)[size[1] :] if size is not None and size[1] + size[0] == len(raw) else None
+
+
+def framed_header_data(header: bytes, views: Sequence[memoryview | bytes]) -> Framed:
+    """The serialised message {1: header (a serialised message), 2: the views' concatenation} (ResultUpload), built
+    with one copy of the views."""
+    size = sum(len(v) for v in views)
+    return Framed(
+        b"".join([bytes((_HEADER_TAG,)), _varint(len(header)), header, bytes((_DATA_TAG,)), _varint(size), *views])
+    )
+
+
+def split_header_data(raw: bytes) -> tuple[memoryview, memoryview] | None:
+    """Views of field 1's and field 2's bytes when `raw` is exactly those two length-delimited fields in that order
+    (as framed_header_data and protobuf write them); None for any other encoding (parse that with protobuf)."""
+    if len(raw) < 4 or raw[0] != _HEADER_TAG:
+        return None
+    header_size = _read_varint(raw, 1)
+    if header_size is None:
+        return None
+    header_end = header_size[1] + header_size[0]
+    if header_end >= len(raw) or raw[header_end] != _DATA_TAG:
+        return None
+    data_size = _read_varint(raw, header_end + 1)
+    if data_size is None or data_size[1] + data_size[0] != len(raw):
+        return None
+    view = memoryview(raw)
+    return view[header_size[1] : header_end], view[data_size[1] :]
 
 
 def chunk_parser(message: type[Message]) -> Callable[[bytes], Message | DataChunk]:
@@ -479,7 +512,9 @@ class PayloadReceiver:
     stretched into millions of empty messages, and the buffer is allocated only after the declared size passed
     `max_bytes`. Order is covered by the digest: reordered chunks hash differently. Large payloads are hashed while
     they arrive (StreamDigest). With `sha256_in_trailer` the digest comes after the data (`set_trailer`) and `sha256`
-    must be empty. `finish` returns the payload as a uint8 array (tensors view it without a copy).
+    must be empty; with `sha256_optional` an empty `sha256` means no digest is computed or checked (a payload that
+    came in one message over mutual TLS, which authenticates every byte of it). `finish` returns the payload as a uint8
+    array (tensors view it without a copy).
     """
 
     def __init__(
@@ -489,12 +524,14 @@ class PayloadReceiver:
         max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES,
         max_chunk_bytes: int = CHUNK_BYTES,
         sha256_in_trailer: bool = False,
+        sha256_optional: bool = False,
     ) -> None:
         if sha256_in_trailer:
             if sha256:
                 raise CodecError("the header announces a sha256 trailer and also carries a sha256: send one of them")
-        else:
+        elif sha256 or not sha256_optional:
             check_sha256(sha256)
+        self.verify = bool(sha256) or sha256_in_trailer
         _check_size(total_bytes, max_bytes)
         self.max_chunk_bytes = max_chunk_bytes
         self.total_bytes = total_bytes
@@ -517,7 +554,8 @@ class PayloadReceiver:
             raise CodecError(f"received {end} bytes but the header declared {self.total_bytes}", "size")
         self.buffer[self.received : end] = np.frombuffer(data, dtype=np.uint8)
         self.received = end
-        if end - self._hashed >= DIGEST_STEP_BYTES:  # hand over a few chunks at once: fewer GIL hand-offs
+        # Hand over a few chunks at once: fewer GIL hand-offs.
+        if self.verify and end - self._hashed >= DIGEST_STEP_BYTES:
             self._digest.update(self._view[self._hashed : end])
             self._hashed = end
 
@@ -535,6 +573,8 @@ class PayloadReceiver:
             raise CodecError(f"stream ended after {self.received} of {self.total_bytes} declared bytes", "size")
         if self.sha256_in_trailer and not self.trailer_received:
             raise CodecError("stream ended without the sha256 trailer its header announced")
+        if not self.verify:
+            return self.buffer
         self._digest.update(self._view[self._hashed : self.received])
         self._hashed = self.received
         if self._digest.hexdigest() != self.expected_sha256:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from fairfl import codec
 from fairfl.params import ParamLayout
@@ -72,6 +73,33 @@ def encode_result(
     data chunks come serialised already (codec.Framed, for the `codec.serialize` serializer): one copy of the tensor
     memory each instead of three.
     """
+    header, buffers, digest = _header_and_payload(result, layout, sha256_in_trailer)
+    yield federation_pb2.ResultChunk(header=header)
+    if framed:
+        for views in codec.iter_chunk_views(buffers, chunk_bytes):
+            yield codec.framed_data(views)
+    else:
+        for piece in codec.iter_byte_chunks(buffers, chunk_bytes):
+            yield federation_pb2.ResultChunk(data=piece)
+    if sha256_in_trailer:
+        yield federation_pb2.ResultChunk(trailer=federation_pb2.ResultTrailer(sha256=digest.hexdigest()))
+
+
+def encode_upload(result: ClientResult, layout: ParamLayout, with_sha256: bool = True) -> codec.Framed:
+    """The serialised ResultUpload of `result` (UploadResult): header, then the payload bytes, copied once from the
+    tensor memory. The header carries the payload's sha256 unless `with_sha256` is False, which only an agent on a
+    mutual-TLS connection may send (TLS authenticates every byte of the one message: docs/security.md). Raises
+    CodecError as encode_result does."""
+    header, buffers, _ = _header_and_payload(result, layout, sha256_in_trailer=False, with_sha256=with_sha256)
+    return codec.framed_header_data(header.SerializeToString(), buffers)
+
+
+def _header_and_payload(
+    result: ClientResult, layout: ParamLayout, sha256_in_trailer: bool, with_sha256: bool = True
+) -> tuple[federation_pb2.ResultHeader, list[memoryview], codec.StreamDigest]:
+    """The result's header, its payload bytes (views of the wire tensors) and their digest (in the header unless
+    `sha256_in_trailer`, where it is still being computed on a worker thread for a large payload; none at all without
+    `with_sha256`)."""
     kinds = sorted(result.payloads)
     wire = [_wire_payload(k, result.payloads[k], layout.payload_dtype) for k in kinds]
     buffers = [codec.tensor_bytes(t) for t in wire]
@@ -79,8 +107,9 @@ def encode_result(
     # In a trailer, the digest is computed on a worker thread while the chunks are cut and sent (the whole payload is
     # there already); in the header, before anything is sent.
     digest = codec.StreamDigest(background=sha256_in_trailer and total >= codec.BACKGROUND_DIGEST_BYTES)
-    for buf in buffers:
-        digest.update(buf)
+    if with_sha256 or sha256_in_trailer:
+        for buf in buffers:
+            digest.update(buf)
     header = federation_pb2.ResultHeader(
         task_id=result.task_id,
         run_id=result.run_id,
@@ -97,22 +126,14 @@ def encode_result(
         metrics=[common_pb2.Metric(name=k, value=v) for k, v in result.metrics.items()],
         payloads=[federation_pb2.Payload(kind=k, tensors=layout.specs(layout.payload_dtype)) for k in kinds],  # type: ignore[arg-type]
         total_bytes=total,
-        sha256="" if sha256_in_trailer else digest.hexdigest(),
+        sha256=digest.hexdigest() if with_sha256 and not sha256_in_trailer else "",
         sha256_in_trailer=sha256_in_trailer,
     )
     if result.bias_update is not None:
         header.bias_update.CopyFrom(codec.tensor_to_proto("bias_update", result.bias_update))
     if result.activation is not None:
         header.activation.CopyFrom(codec.tensor_to_proto("activation", result.activation))
-    yield federation_pb2.ResultChunk(header=header)
-    if framed:
-        for views in codec.iter_chunk_views(buffers, chunk_bytes):
-            yield codec.framed_data(views)
-    else:
-        for piece in codec.iter_byte_chunks(buffers, chunk_bytes):
-            yield federation_pb2.ResultChunk(data=piece)
-    if sha256_in_trailer:
-        yield federation_pb2.ResultChunk(trailer=federation_pb2.ResultTrailer(sha256=digest.hexdigest()))
+    return header, buffers, digest
 
 
 def _wire_payload(kind: int, flat: torch.Tensor, dtype: int) -> torch.Tensor:
@@ -144,10 +165,40 @@ ResultPart = bytes | memoryview | federation_pb2.ResultTrailer  # what follows a
 parse_result_chunk = codec.chunk_parser(federation_pb2.ResultChunk)
 
 
+@dataclass
+class ReceivedUpload:
+    """An UploadResult request as received: its header and payload bytes (a view of the received message), or why
+    it could not be parsed (`error`; the servicer refuses it with INVALID_ARGUMENT rather than gRPC's INTERNAL)."""
+
+    header: federation_pb2.ResultHeader
+    data: memoryview | bytes
+    size: int  # bytes on the wire (the gRPC metrics count them)
+    error: str = ""
+
+    def ByteSize(self) -> int:
+        return self.size
+
+
+def parse_result_upload(raw: bytes) -> ReceivedUpload:
+    """gRPC deserializer of UploadResult: the payload as a view of the received bytes when the message is the header
+    then the data (as every FairFL agent and protobuf itself write it); any other valid encoding through protobuf,
+    so what is accepted is exactly what protobuf would parse."""
+    try:
+        parts = codec.split_header_data(raw)
+        if parts is not None:
+            return ReceivedUpload(federation_pb2.ResultHeader.FromString(parts[0]), parts[1], len(raw))
+        message = federation_pb2.ResultUpload.FromString(raw)
+    except DecodeError as err:
+        return ReceivedUpload(federation_pb2.ResultHeader(), b"", len(raw), f"malformed ResultUpload: {err}")
+    return ReceivedUpload(message.header, message.data, len(raw))
+
+
 class ResultAssembler:
     """Decodes one ResultChunk stream against the run's model layout. Raises codec.CodecError on anything malformed."""
 
-    def __init__(self, header: federation_pb2.ResultHeader, layout: ParamLayout) -> None:
+    def __init__(self, header: federation_pb2.ResultHeader, layout: ParamLayout, sha256_optional: bool = False) -> None:
+        """`sha256_optional`: the header may omit the payload's sha256 (UploadResult over mutual TLS); one it carries
+        is checked all the same."""
         self.header = header
         self.layout = layout
         kinds = [p.kind for p in header.payloads]
@@ -171,7 +222,11 @@ class ResultAssembler:
         if bad:  # strategies and the engine read them (local_steps, train_loss)
             raise codec.CodecError(f"metrics {bad[:5]} are NaN or infinite", "non_finite")
         self.receiver = codec.PayloadReceiver(
-            header.total_bytes, header.sha256, max_bytes=expected, sha256_in_trailer=header.sha256_in_trailer
+            header.total_bytes,
+            header.sha256,
+            max_bytes=expected,
+            sha256_in_trailer=header.sha256_in_trailer,
+            sha256_optional=sha256_optional,
         )
 
     def add(self, part: ResultPart) -> None:

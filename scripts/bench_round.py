@@ -270,7 +270,7 @@ def breakdown(trace: benchlib.RunTrace, rounds: int) -> dict[str, float]:
     out["aggregator checkpoint write"] = seconds / rounds
     # What an agent waits for while the aggregator takes its calls in (receive, validate, fold, reply).
     handled = _histogram_delta(trace, "aggregator", "fairfl_grpc_server_handling_seconds", "method")
-    for method in ("SubmitResult", "FetchBlob"):
+    for method in ("UploadResult", "SubmitResult", "FetchBlob"):
         seconds, count = handled.get(method, (0.0, 0.0))
         if count:
             out[f"aggregator {method} handling ({count / rounds:.1f}/round, {1e3 * seconds / count:.1f} ms each)"] = (

@@ -326,6 +326,14 @@ class ResultChunk(_message.Message):
     trailer: ResultTrailer
     def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[ResultTrailer, _Mapping]] = ...) -> None: ...
 
+class ResultUpload(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ResultHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ResultHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class SubmitReply(_message.Message):
     __slots__ = ("accepted",)
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]

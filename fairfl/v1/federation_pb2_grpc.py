@@ -70,6 +70,11 @@ class FederationStub:
                 request_serializer=fairfl_dot_v1_dot_federation__pb2.ResultBatch.SerializeToString,
                 response_deserializer=fairfl_dot_v1_dot_federation__pb2.ResultBatchReply.FromString,
                 _registered_method=True)
+        self.UploadResult = channel.unary_unary(
+                '/fairfl.v1.Federation/UploadResult',
+                request_serializer=fairfl_dot_v1_dot_federation__pb2.ResultUpload.SerializeToString,
+                response_deserializer=fairfl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -121,6 +126,15 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadResult(self, request, context):
+        """A result whose payload bytes fit in one message (at most 2 MiB: an update of a model up to ~500k float32
+        parameters) in one call, the sha256 in its header: checked and accepted exactly as SubmitResult would, without a
+        stream's per-message round trips. Bigger payloads are streamed with SubmitResult.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +172,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.SubmitResults,
                     request_deserializer=fairfl_dot_v1_dot_federation__pb2.ResultBatch.FromString,
                     response_serializer=fairfl_dot_v1_dot_federation__pb2.ResultBatchReply.SerializeToString,
+            ),
+            'UploadResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadResult,
+                    request_deserializer=fairfl_dot_v1_dot_federation__pb2.ResultUpload.FromString,
+                    response_serializer=fairfl_dot_v1_dot_federation__pb2.SubmitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +368,33 @@ class Federation:
             '/fairfl.v1.Federation/SubmitResults',
             fairfl_dot_v1_dot_federation__pb2.ResultBatch.SerializeToString,
             fairfl_dot_v1_dot_federation__pb2.ResultBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fairfl.v1.Federation/UploadResult',
+            fairfl_dot_v1_dot_federation__pb2.ResultUpload.SerializeToString,
+            fairfl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,

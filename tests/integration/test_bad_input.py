@@ -30,7 +30,7 @@ from fairfl import codec
 from fairfl.config import ExperimentConfig, experiment_from_dict, experiment_from_yaml
 from fairfl.launcher import LocalCluster
 from fairfl.params import ParamLayout
-from fairfl.protocol import EVALUATE, TRAIN, UPDATE, ClientResult, encode_result
+from fairfl.protocol import EVALUATE, TRAIN, UPDATE, ClientResult, encode_result, encode_upload, parse_result_upload
 from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc, tensor_pb2
 
@@ -226,7 +226,52 @@ def declares_payload_bytes(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
     return ctx.edited(lambda h: setattr(h, "total_bytes", ctx.layout.nbytes))
 
 
+def _upload_parts(ctx: Ctx, result: ClientResult | None = None) -> tuple[federation_pb2.ResultHeader, bytes]:
+    upload = federation_pb2.ResultUpload.FromString(encode_upload(result or ctx.result, ctx.layout).data)
+    return upload.header, upload.data
+
+
+def _upload(header: federation_pb2.ResultHeader, data: bytes) -> bytes:
+    return federation_pb2.ResultUpload(header=header, data=data).SerializeToString()
+
+
+def upload_corrupted(ctx: Ctx) -> bytes:
+    header, data = _upload_parts(ctx)
+    return _upload(header, data[:-1] + bytes([data[-1] ^ 0xFF]))
+
+
+def upload_size_mismatch(ctx: Ctx) -> bytes:
+    header, data = _upload_parts(ctx)
+    header.total_bytes += 4
+    return _upload(header, data)
+
+
+def upload_with_trailer(ctx: Ctx) -> bytes:
+    header, data = _upload_parts(ctx)
+    header.sha256_in_trailer = True
+    return _upload(header, data)
+
+
+def upload_malformed(ctx: Ctx) -> bytes:
+    return b"\x0a\x05abc"  # a header field announcing 5 bytes, cut after 3
+
+
+def upload_nan_update(ctx: Ctx) -> bytes:
+    update = ctx.result.payloads[UPDATE].clone()
+    update[0] = float("nan")
+    return encode_upload(dataclasses.replace(ctx.result, payloads={UPDATE: update}), ctx.layout).data
+
+
+def upload_reordered(ctx: Ctx) -> bytes:
+    """The correct result with its data field before its header: valid protobuf, so accepted like any other."""
+    header, data = _upload_parts(ctx)
+    raw = federation_pb2.ResultUpload(data=data).SerializeToString() + _upload(header, b"")
+    assert codec.split_header_data(raw) is None  # not the layout the fast parser takes
+    return raw
+
+
 Probe = Callable[[Ctx], list[federation_pb2.ResultChunk]]
+UploadProbe = Callable[[Ctx], bytes]
 
 
 @dataclass
@@ -237,6 +282,9 @@ class Plan:
     # Sent with the correct result in one SubmitResults call (headers only), each answered on its own.
     batch: list[tuple[str, Probe]] = field(default_factory=list)
     oversized_batch: str = ""  # case name: a SubmitResults call of more headers than it may carry, before the rest
+    # UploadResult calls (one message each) sent before the correct result, which then goes by UploadResult too,
+    # encoded with its fields in the other order (valid protobuf the fast parser leaves to protobuf).
+    upload: list[tuple[str, UploadProbe]] = field(default_factory=list)
 
 
 # Keyed by (round, phase, position of the task among that phase's tasks as they were polled).
@@ -286,6 +334,15 @@ PLANS: dict[tuple[int, int, int], Plan] = {
     # result, so the model and the other cases are unaffected.
     (2, TRAIN, 0): Plan(before=[("missing_sha256", missing_sha256)]),
     (2, TRAIN, 1): Plan(before=[("anonymous_agent", anonymous_agent)]),
+    (3, TRAIN, 0): Plan(
+        upload=[
+            ("upload_corrupted", upload_corrupted),
+            ("upload_size_mismatch", upload_size_mismatch),
+            ("upload_with_trailer", upload_with_trailer),
+            ("upload_malformed", upload_malformed),
+            ("upload_nan_update", upload_nan_update),
+        ]
+    ),
 }
 
 # case -> (acceptable statuses, substrings the message must contain: "{task}" is the task id, "{client}" its client)
@@ -321,6 +378,11 @@ EXPECTED: dict[str, tuple[Code | tuple[Code, ...], list[str]]] = {
     "batch_unknown_task": (Code.NOT_FOUND, ["unknown task", f"{RUN_ID}/r9/p0/c"]),
     "batch_other_client": (Code.PERMISSION_DENIED, ["{task}", "belongs to client {client}"]),
     "eval_wrong_phase": (Code.INVALID_ARGUMENT, ["phase"]),
+    "upload_corrupted": (Code.DATA_LOSS, ["{task}", "sha256"]),
+    "upload_size_mismatch": (Code.INVALID_ARGUMENT, ["declares", "payload bytes", "carries"]),
+    "upload_with_trailer": (Code.INVALID_ARGUMENT, ["no trailer", "sha256 in the header"]),
+    "upload_malformed": (Code.INVALID_ARGUMENT, ["malformed ResultUpload"]),
+    "upload_nan_update": (Code.INVALID_ARGUMENT, ["{task}", "PAYLOAD_KIND_UPDATE", "NaN"]),
     # a withheld result arriving after its round closed the task at the deadline is late
     "closed_round_evaluation": (Code.FAILED_PRECONDITION, ["{task}", "closed", "round 1 closed it at its deadline"]),
     # an accepted result sent again later is a replay, whatever round is running by then
@@ -368,6 +430,11 @@ class Driver:
 
     def __init__(self, channel: grpc.Channel, config: ExperimentConfig) -> None:
         self.stub = federation_pb2_grpc.FederationStub(channel)
+        self.upload_result = channel.unary_unary(  # raw bytes, to send what a generated stub would not
+            "/fairfl.v1.Federation/UploadResult",
+            request_serializer=bytes,
+            response_deserializer=federation_pb2.SubmitReply.FromString,
+        )
         self.config = config
         self.agents: dict[str, str] = {}  # name -> agent id
         self.runtime: ClientRuntime | None = None
@@ -440,6 +507,22 @@ class Driver:
             self.answered[(task.round, task.phase)] = self.answered.get((task.round, task.phase), 0) + 1
         return Submission(case, task, header_task, code, details, key is not None, phase_open)
 
+    def submit_upload(self, case: str, task: federation_pb2.Task, raw: bytes) -> Submission:
+        """One UploadResult call with the serialised ResultUpload `raw`."""
+        received = parse_result_upload(raw)
+        header_task = "" if received.error else received.header.task_id
+        key = self.open.get(header_task)
+        phase_open = time.time() < task.deadline_unix
+        try:
+            self.upload_result(raw, timeout=RPC_TIMEOUT)
+            code, details = OK, ""
+        except grpc.RpcError as err:
+            code, details = err.code(), err.details() or ""
+        if code == OK:
+            self.open.pop(task.task_id, None)
+            self.answered[(task.round, task.phase)] = self.answered.get((task.round, task.phase), 0) + 1
+        return Submission(case, task, header_task, code, details, key is not None, phase_open)
+
     def submit_batch(
         self,
         cases: list[str],
@@ -503,6 +586,14 @@ class Driver:
             for each in probed:
                 self.record(each)
             self.valid.append(submission)
+            return
+        if plan.upload:
+            for case, upload_probe in plan.upload:
+                submission = self.submit_upload(case, task, upload_probe(ctx))
+                self.record(submission)
+                if submission.code == OK:
+                    return
+            self.valid.append(self.submit_upload("valid", task, upload_reordered(ctx)))
             return
         if plan.withhold:
             self.open.pop(task.task_id)  # never answered while its phase is open
@@ -623,7 +714,7 @@ def test_bad_result_is_refused_with_fitting_status(observed: Observed, case: str
 
 
 def test_every_planned_case_has_an_expectation() -> None:
-    planned = {case for plan in PLANS.values() for case, _ in plan.before + plan.batch}
+    planned = {case for plan in PLANS.values() for case, _ in plan.before + plan.batch + plan.upload}
     planned |= {p.oversized_batch for p in PLANS.values() if p.oversized_batch}
     planned |= {p.duplicate for p in PLANS.values() if p.duplicate} | {p.withhold for p in PLANS.values() if p.withhold}
     planned |= {"closed_round_train", "after_run_end"}

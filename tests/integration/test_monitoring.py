@@ -149,7 +149,8 @@ def test_promtool_finds_no_problem_in_metrics(observed: Observed, process: str) 
 def test_the_run_was_measured(observed: Observed) -> None:
     aggregator = observed.metrics["aggregator"]
     assert f'fairfl_run_round{{run_id="{RUN_ID}"}} {float(ROUNDS)}' in aggregator
-    assert 'fairfl_grpc_server_handled_total{code="OK",method="SubmitResult",service="fairfl.v1.Federation"}' in (
+    # The preset's small updates go in one UploadResult call each (bigger ones would stream with SubmitResult).
+    assert 'fairfl_grpc_server_handled_total{code="OK",method="UploadResult",service="fairfl.v1.Federation"}' in (
         aggregator
     )
     assert 'fairfl_round_phase_duration_seconds_count{phase="aggregate"}' in aggregator

@@ -1,0 +1,201 @@
+"""Results whose payloads fit in one message go in one UploadResult call: its framing and parsing (zero-copy for the
+header-then-data layout, protobuf for any other encoding), and the agent's choice between UploadResult and a
+SubmitResult stream, with its fallback against an aggregator without the call. (The aggregator's checks on uploads are
+tested against a real aggregator process in tests/integration/test_bad_input.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+import aggregator_service.federation as federation_module
+import client_agent.agent as agent_module
+from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
+from client_agent.agent import Agent
+from client_agent.trainer import ClientRuntime
+from fairfl import codec
+from fairfl.protocol import TRAIN, UPDATE, ClientResult, encode_result, encode_upload, parse_result_upload
+from fairfl.v1 import federation_pb2, federation_pb2_grpc
+from tests.unit.test_dp_sgd import synthetic_runtime
+
+
+def _result(runtime: ClientRuntime, task_id: str = "r/r1/p0/c0") -> ClientResult:
+    update = torch.linspace(-1.0, 1.0, runtime.layout.numel)
+    return ClientResult(
+        task_id=task_id,
+        run_id="r",
+        round=1,
+        client_id=0,
+        phase=TRAIN,
+        num_samples=400,
+        loss_before=2.0,
+        loss_after=1.5,
+        metrics={"train_loss": 1.7},
+        payloads={UPDATE: update},
+        agent_id="agent",
+    )
+
+
+def test_an_upload_is_the_protobuf_message_with_the_payload_hash_in_its_header() -> None:
+    runtime = synthetic_runtime()
+    result = _result(runtime)
+    raw = encode_upload(result, runtime.layout).data
+    message = federation_pb2.ResultUpload.FromString(raw)
+    assert message.SerializeToString() == raw  # byte for byte what protobuf writes
+    payload = result.payloads[UPDATE].numpy().tobytes()
+    assert message.data == payload
+    assert message.header.total_bytes == len(payload) and not message.header.sha256_in_trailer
+    assert message.header.sha256 == hashlib.sha256(payload).hexdigest()
+    streamed = next(encode_result(result, runtime.layout)).header  # the same header a stream starts with
+    assert message.header == streamed
+
+
+def test_the_parser_views_the_payload_and_leaves_other_encodings_to_protobuf() -> None:
+    header = federation_pb2.ResultHeader(task_id="t", total_bytes=3, sha256="a" * 64)
+    canonical = federation_pb2.ResultUpload(header=header, data=b"xyz").SerializeToString()
+    fast = parse_result_upload(canonical)
+    assert isinstance(fast.data, memoryview) and fast.data.obj is canonical  # a view, not a copy
+    assert (fast.header, bytes(fast.data), fast.ByteSize(), fast.error) == (header, b"xyz", len(canonical), "")
+
+    reordered = (
+        federation_pb2.ResultUpload(data=b"xyz").SerializeToString()
+        + federation_pb2.ResultUpload(header=header).SerializeToString()
+    )
+    twice = canonical + federation_pb2.ResultUpload(data=b"new").SerializeToString()  # protobuf: the last data wins
+    for raw, data in ((reordered, b"xyz"), (twice, b"new")):
+        assert codec.split_header_data(raw) is None
+        parsed = parse_result_upload(raw)
+        assert (parsed.header, bytes(parsed.data), parsed.error) == (header, data, "")
+
+    # Cut inside the header, an unfinished varint, an invalid tag, cut inside the data: refused with a reason.
+    for garbage in (b"\x0a\x05abc", b"\x0a\xff", b"\xff\xff\xff", canonical[:-1]):
+        assert parse_result_upload(garbage).error.startswith("malformed ResultUpload"), garbage
+
+
+class _Aggregator(federation_pb2_grpc.FederationServicer):
+    """Takes results as the aggregator would; with `uploads` False it lacks UploadResult, as an older one does."""
+
+    def __init__(self, uploads: bool) -> None:
+        self.uploads_on = uploads
+        self.uploads: list[federation_pb2.ResultUpload] = []
+        self.streams: list[list[federation_pb2.ResultChunk]] = []
+
+    def UploadResult(self, request: federation_pb2.ResultUpload, context: grpc.ServicerContext):
+        if not self.uploads_on:
+            return super().UploadResult(request, context)  # UNIMPLEMENTED, as generated
+        self.uploads.append(request)
+        return federation_pb2.SubmitReply(accepted=True)
+
+    def SubmitResult(self, request_iterator: Iterator[federation_pb2.ResultChunk], context: grpc.ServicerContext):
+        self.streams.append(list(request_iterator))
+        return federation_pb2.SubmitReply(accepted=True)
+
+
+@pytest.fixture(params=[True, False], ids=["uploads", "no-uploads"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[_Aggregator, Agent]]:
+    aggregator = _Aggregator(uploads=request.param)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    federation_pb2_grpc.add_FederationServicer_to_server(aggregator, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    agent = Agent(f"127.0.0.1:{port}", [0], device="cpu")
+    try:
+        yield aggregator, agent
+    finally:
+        agent.channel.close()
+        server.stop(None)
+
+
+def test_small_results_go_in_one_upload_and_fall_back_to_streams(served: tuple[_Aggregator, Agent]) -> None:
+    aggregator, agent = served
+    runtime = synthetic_runtime()
+    payload = _result(runtime).payloads[UPDATE].numpy().tobytes()
+    for task_id in ("r/r1/p0/c0", "r/r1/p1/c0"):
+        agent._hand_over(
+            agent_module._Submission(task_id, "train", len(payload)), agent._open, _result(runtime, task_id), runtime
+        )
+    agent._finish_submissions()
+    assert agent.tasks_done == 2 and not agent._in_flight
+    if aggregator.uploads_on:
+        assert sorted(u.header.task_id for u in aggregator.uploads) == ["r/r1/p0/c0", "r/r1/p1/c0"]  # in flight at once
+        assert all(u.data == payload for u in aggregator.uploads)
+        assert agent.uploading and aggregator.streams == []
+    else:
+        # UNIMPLEMENTED: the first result is streamed instead, and so is every later one (no upload tried again).
+        assert not agent.uploading
+        assert sorted(s[0].header.task_id for s in aggregator.streams) == ["r/r1/p0/c0", "r/r1/p1/c0"]
+        for stream in aggregator.streams:
+            assert stream[0].header.sha256_in_trailer
+            assert b"".join(c.data for c in stream[1:-1]) == payload
+            assert stream[-1].trailer.sha256 == hashlib.sha256(payload).hexdigest()
+
+
+def test_results_too_big_for_one_message_are_streamed(
+    served: tuple[_Aggregator, Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    aggregator, agent = served
+    runtime = synthetic_runtime()
+    monkeypatch.setattr(agent_module, "UPLOAD_BYTES", runtime.layout.nbytes - 1)
+    agent.submit(_result(runtime), runtime)
+    assert aggregator.uploads == [] and len(aggregator.streams) == 1
+    assert agent.uploading  # not a fallback: the aggregator was never asked
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """The parts of a grpc.ServicerContext the servicer uses; `principal` stands in for the caller's certificate."""
+
+    def __init__(self, principal: str) -> None:
+        self.principal = principal
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+@pytest.mark.parametrize("principal", ["", "f" * 64], ids=["plaintext", "mutual-tls"])
+def test_an_upload_may_leave_out_its_sha256_only_over_mutual_tls(
+    principal: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = synthetic_runtime()
+    state = FederationState()
+    transport = GrpcTransport(state)
+    transport.start_run("r", runtime.config, runtime.layout)
+    agent_id = state.register("agent-0", [0], "cpu", principal=principal).agent_id
+    monkeypatch.setattr(federation_module.rpc, "principal", lambda context: context.principal)
+    servicer = FederationServicer(state)
+    task = federation_pb2.Task(task_id="r/r1/p0/c0", run_id="r", round=1, phase=TRAIN, client_id=0, deadline_unix=1e12)
+    task.train.local_steps = 1
+    outcome: list[object] = []
+    phase = threading.Thread(target=lambda: outcome.append(transport.execute([task], timeout=30.0)))
+    phase.start()
+    (polled,) = state.poll(agent_id, 1, wait=10.0)
+    result = dataclasses.replace(_result(runtime, polled.task_id), agent_id=agent_id)
+    update = result.payloads[UPDATE]
+
+    def upload(with_sha256: bool) -> None:
+        raw = encode_upload(result, runtime.layout, with_sha256=with_sha256).data
+        servicer.UploadResult(parse_result_upload(raw), _Context(principal))
+
+    if not principal:  # plaintext: the digest is the only check on the bytes, so it is required
+        with pytest.raises(_Aborted) as refused:
+            upload(with_sha256=False)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sha256" in refused.value.details
+        upload(with_sha256=True)  # the task is still open: the correct upload gets in
+    else:
+        upload(with_sha256=False)
+    phase.join(timeout=30.0)
+    (done,) = outcome
+    (accepted,) = done.results  # type: ignore[attr-defined]
+    assert torch.equal(accepted.payloads[UPDATE], update)
