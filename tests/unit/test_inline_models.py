@@ -65,3 +65,31 @@ def test_an_agent_caches_an_inline_model_only_when_its_digest_and_layout_check(
         assert torch.equal(agent._fetch_model(ref), x0)  # the task's look-up is a cache hit: no FetchBlob call
     finally:
         agent.channel.close()
+
+
+def test_over_mutual_tls_an_inline_model_is_checked_for_size_and_layout_without_hashing_again() -> None:
+    runtime = synthetic_runtime()
+    state = FederationState()
+    x0 = flatten_parameters(runtime.model)
+    ref = state.blobs.put(runtime.layout, x0)
+    (blob,) = FederationServicer(state)._inline_blobs(
+        federation_pb2.PollRequest(inline_blob_bytes=INLINE_BLOB_BYTES), [_task(ref)]
+    )
+    agent = Agent("127.0.0.1:1", [0], device="cpu")
+    agent.tls = True  # as an agent with a certificate is
+    try:
+        agent.runtimes = {"r": runtime}
+        short, foreign = federation_pb2.InlineBlob(), federation_pb2.InlineBlob()
+        short.CopyFrom(blob)
+        short.data = blob.data[:-4]
+        foreign.CopyFrom(blob)
+        foreign.header.tensors[0].shape[0] += 1  # another model's layout
+        agent._take_inline("r", [short, foreign])
+        assert agent.models == {}  # both refused, left to FetchBlob
+        agent._take_inline("r", [blob])
+        cached = agent.models[ref.sha256]
+        assert torch.equal(cached, x0)
+        cached += 1  # a copy: writable, and not the reply's memory
+        assert blob.data == x0.numpy().tobytes()
+    finally:
+        agent.channel.close()
