@@ -494,27 +494,25 @@ class Driver:
 
     def submit(self, case: str, task: federation_pb2.Task, chunks: list[federation_pb2.ResultChunk]) -> Submission:
         header_task = chunks[0].header.task_id if chunks and chunks[0].HasField("header") else ""
-        key = self.open.get(header_task)
         phase_size = self.config.selection.clients_per_round if task.phase == TRAIN else self.config.data.num_clients
         phase_open = self.answered.get((task.round, task.phase), 0) < phase_size and time.time() < task.deadline_unix
-        try:
-            self.stub.SubmitResult(iter(chunks), timeout=RPC_TIMEOUT)
-            code, details = OK, ""
-        except grpc.RpcError as err:
-            code, details = err.code(), err.details() or ""
-        if code == OK:
-            self.open.pop(task.task_id, None)
-            self.answered[(task.round, task.phase)] = self.answered.get((task.round, task.phase), 0) + 1
-        return Submission(case, task, header_task, code, details, key is not None, phase_open)
+        send = lambda: self.stub.SubmitResult(iter(chunks), timeout=RPC_TIMEOUT)  # noqa: E731
+        return self._sent(case, task, header_task, phase_open, send)
 
     def submit_upload(self, case: str, task: federation_pb2.Task, raw: bytes) -> Submission:
         """One UploadResult call with the serialised ResultUpload `raw`."""
         received = parse_result_upload(raw)
         header_task = "" if received.error else received.header.task_id
-        key = self.open.get(header_task)
         phase_open = time.time() < task.deadline_unix
+        return self._sent(case, task, header_task, phase_open, lambda: self.upload_result(raw, timeout=RPC_TIMEOUT))
+
+    def _sent(
+        self, case: str, task: federation_pb2.Task, header_task: str, phase_open: bool, call: Callable[[], object]
+    ) -> Submission:
+        """Make one result call and account for its answer (an accepted result answers its task)."""
+        key = self.open.get(header_task)
         try:
-            self.upload_result(raw, timeout=RPC_TIMEOUT)
+            call()
             code, details = OK, ""
         except grpc.RpcError as err:
             code, details = err.code(), err.details() or ""

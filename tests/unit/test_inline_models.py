@@ -9,14 +9,27 @@ import torch
 
 from aggregator_service.federation import FederationServicer, FederationState
 from client_agent.agent import Agent
+from client_agent.trainer import ClientRuntime
 from fairfl.params import flatten_parameters
 from fairfl.rpc import INLINE_BLOB_BYTES
-from fairfl.v1 import federation_pb2
+from fairfl.v1 import federation_pb2, tensor_pb2
 from tests.unit.test_dp_sgd import synthetic_runtime
 
 
 def _task(ref: object, client: int = 0) -> federation_pb2.Task:
     return federation_pb2.Task(task_id=f"r/r1/p0/c{client}", run_id="r", round=1, client_id=client, model=ref)
+
+
+def _inline_model() -> tuple[ClientRuntime, torch.Tensor, tensor_pb2.BlobRef, federation_pb2.InlineBlob]:
+    """A runtime, its initial model, that model's blob reference and the InlineBlob a poll reply carries for it."""
+    runtime = synthetic_runtime()
+    state = FederationState()
+    x0 = flatten_parameters(runtime.model)
+    ref = state.blobs.put(runtime.layout, x0)
+    (blob,) = FederationServicer(state)._inline_blobs(
+        federation_pb2.PollRequest(inline_blob_bytes=INLINE_BLOB_BYTES), [_task(ref)]
+    )
+    return runtime, x0, ref, blob
 
 
 def test_a_poll_reply_inlines_each_small_model_once_and_none_the_agent_holds() -> None:
@@ -44,13 +57,7 @@ def test_a_poll_reply_inlines_each_small_model_once_and_none_the_agent_holds() -
 def test_an_agent_caches_an_inline_model_only_when_its_digest_and_layout_check(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    runtime = synthetic_runtime()
-    state = FederationState()
-    x0 = flatten_parameters(runtime.model)
-    ref = state.blobs.put(runtime.layout, x0)
-    (blob,) = FederationServicer(state)._inline_blobs(
-        federation_pb2.PollRequest(inline_blob_bytes=INLINE_BLOB_BYTES), [_task(ref)]
-    )
+    runtime, x0, ref, blob = _inline_model()
     agent = Agent("127.0.0.1:1", [0], device="cpu")
     try:
         agent.runtimes = {"r": runtime}
@@ -68,13 +75,7 @@ def test_an_agent_caches_an_inline_model_only_when_its_digest_and_layout_check(
 
 
 def test_over_mutual_tls_an_inline_model_is_checked_for_size_and_layout_without_hashing_again() -> None:
-    runtime = synthetic_runtime()
-    state = FederationState()
-    x0 = flatten_parameters(runtime.model)
-    ref = state.blobs.put(runtime.layout, x0)
-    (blob,) = FederationServicer(state)._inline_blobs(
-        federation_pb2.PollRequest(inline_blob_bytes=INLINE_BLOB_BYTES), [_task(ref)]
-    )
+    runtime, x0, ref, blob = _inline_model()
     agent = Agent("127.0.0.1:1", [0], device="cpu")
     agent.tls = True  # as an agent with a certificate is
     try:
