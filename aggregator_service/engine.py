@@ -273,6 +273,8 @@ class RoundEngine:
         cfg.want_bias_update = self.selection.wants_bias_update  # HiCS-FL's signature
         if self.dp is not None:
             self.dp.configure(cfg)
+        if not cfg.HasField("dp"):  # F_i passes only where something reads them (DP-SGD: plaintext_telemetry decides)
+            cfg.skip_losses = not (self.strategy.reads_client_losses or t.loss_telemetry)
         return cfg
 
     def _tasks(

@@ -224,6 +224,10 @@ class TimedStrategy(Strategy):
     def name(self) -> str:  # type: ignore[override]
         return self.inner.name
 
+    @property  # type: ignore[override]
+    def reads_client_losses(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_client_losses
+
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> Any:
         return self.inner.configure(ctx, phase_index, prior)
 

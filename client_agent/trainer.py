@@ -136,8 +136,9 @@ class ClientRuntime:
         steps = (
             cfg.local_steps if cfg.WhichOneof("budget") == "local_steps" else cfg.local_epochs * math.ceil(n / batch)
         )
-        out.loss_before, accuracy_before = self._loss_and_accuracy(c, cfg.loss_eval_batches, batch, task.seed)
-        out.metrics["accuracy_before"] = accuracy_before  # % on local training data at x_t (FairFed's Acc_i)
+        if not cfg.skip_losses:  # F_i(x_t) and Acc_i(x_t); skipped (NaN: withheld) when no one reads them
+            out.loss_before, accuracy_before = self._loss_and_accuracy(c, cfg.loss_eval_batches, batch, task.seed)
+            out.metrics["accuracy_before"] = accuracy_before  # % on local training data at x_t (FairFed's Acc_i)
 
         lr = cfg.lr
         fair = cfg.fair_step if cfg.HasField("fair_step") else None
@@ -212,7 +213,8 @@ class ClientRuntime:
         out.payloads[UPDATE] = to_host(update)
         if first_step is not None:
             out.payloads[FIRST_STEP_UPDATE] = to_host(first_step)
-        out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+        if not cfg.skip_losses:
+            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
         out.metrics["train_loss"] = float(loss_sum) / max(steps, 1)
         out.metrics["local_steps"] = float(steps)
         out.metrics["lr"] = lr_sum / max(steps, 1) if fair is not None else lr

@@ -141,6 +141,9 @@ class TrainingConfig:
     weight_decay: float = 0.0
     prox_mu: float = 0.0
     loss_eval_batches: int = 0  # 0 = whole local training set
+    # F_i before and after local training on every task, also when the strategy does not read them (Ψ of FedAvg-family
+    # baselines, telemetry); strategies that weight by them (q-FFL, FedEBA+, FedFair, ...) always get them.
+    loss_telemetry: bool = False
 
     def budget(self) -> tuple[Literal["local_steps", "local_epochs"], int]:
         """The local work per round: epochs when given, else steps (DEFAULT_LOCAL_STEPS when neither is set)."""

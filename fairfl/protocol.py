@@ -333,8 +333,11 @@ def check_against_task(result: ClientResult, task: federation_pb2.Task) -> None:
 
 
 def losses_owed(train: federation_pb2.LocalTrainingConfig) -> bool:
-    """Whether a TRAIN result must carry loss_before/loss_after: always, except DP-SGD without plaintext telemetry."""
-    return not train.HasField("dp") or train.dp.plaintext_telemetry
+    """Whether a TRAIN result must carry loss_before/loss_after: unless the task skips them (a strategy that reads
+    none) or is DP-SGD without plaintext telemetry."""
+    if train.HasField("dp"):
+        return train.dp.plaintext_telemetry
+    return not train.skip_losses
 
 
 def _small_vector(header: federation_pb2.ResultHeader, field_name: str) -> np.ndarray | None:

@@ -17,10 +17,12 @@ Runs of the same experiment, one after another:
   one per core (the faster one counts): the same model, the same data partition (fairfl.data), the same clients each
   round (those the gRPC run selected), the same local steps, batch size, lr and batch order (the trainer's task
   seeds), FedAvg's sample-weighted average, and the same evaluation schedule (every client's test split every
-  `evaluation.every` rounds and in the last). Nothing else: no loss passes, no serialisation, no processes. The
-  trainer (client_agent/trainer.py) also measures every TRAIN task's loss and accuracy before and after its local
-  steps, on `training.loss_eval_batches` batches (0: the client's whole training set); the loop times those two
-  passes separately and reports the floor with them as a second figure.
+  `evaluation.every` rounds and in the last). Nothing else: no serialisation, no processes. The trainer
+  (client_agent/trainer.py) measures a TRAIN task's loss and accuracy before and after its local steps (on
+  `training.loss_eval_batches` batches, 0: the client's whole training set) only when the strategy reads them or
+  `training.loss_telemetry` asks; FedAvg reads none, so the preset's clients skip those two passes. The loop always
+  runs and times them apart: they count in the floor exactly when the experiment's clients run them, and what they
+  would add is reported either way.
 
 The gRPC run and the plain loop are measured in interleaved pairs (`--repeats`, default 3): gRPC, then the loop on
 the same selections, then again. The acceptance figure is the median of the pairs' ratios, each pair's ratio taken
@@ -71,6 +73,7 @@ class PlainLoop:
     arrivals: list[float] = field(default_factory=list)  # perf_counter at the end of each round
     cpu: list[float] = field(default_factory=list)  # process CPU seconds at the end of each round
     loss_pass_seconds: list[float] = field(default_factory=list)  # per round: the trainer's two loss passes
+    loss_pass_cpu: list[float] = field(default_factory=list)  # their process CPU seconds, per round
     eval_seconds: float = 0.0
     final_accuracy: float = math.nan  # mean over clients of the last evaluation, %
 
@@ -127,7 +130,7 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
     for round_number, selected in enumerate(selections, start=1):
         lr = t.lr * t.lr_decay ** (round_number - 1)
         updates, sizes = [], []
-        pass_seconds = 0.0
+        pass_seconds = pass_cpu = 0.0
         for cid in selected:
             x, y, _, _ = clients[cid]
             n = len(y)
@@ -137,9 +140,10 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
             torch.nn.utils.vector_to_parameters(global_params.clone(), params)
             sample = n if t.loss_eval_batches == 0 else min(n, t.loss_eval_batches * batch)  # the trainer's F_i sample
             if loss_passes:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 full_pass(x[:sample], y[:sample])
                 pass_seconds += time.perf_counter() - started
+                pass_cpu += time.process_time() - cpu_started
             opt = torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
             gen = torch.Generator().manual_seed(task_seed(config.seed, round_number, cid))
             model.train()
@@ -154,9 +158,10 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
                 loss.backward()
                 opt.step()
             if loss_passes:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 full_pass(x[:sample], y[:sample])
                 pass_seconds += time.perf_counter() - started
+                pass_cpu += time.process_time() - cpu_started
             updates.append(torch.nn.utils.parameters_to_vector(params).detach() - global_params)
             sizes.append(n)
         weights = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
@@ -170,13 +175,14 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
         out.arrivals.append(time.perf_counter())
         out.cpu.append(time.process_time())
         out.loss_pass_seconds.append(pass_seconds)
+        out.loss_pass_cpu.append(pass_cpu)
     return out
 
 
 @dataclass
 class LoopTiming:
-    """Seconds per round of one plain-loop run: without the trainer's loss passes (the floor), of the passes, with
-    them; CPU seconds per round."""
+    """Seconds per round of one plain-loop run: the floor (the experiment's work: with the trainer's loss passes when
+    its clients run them), of the passes, with them; CPU seconds per round of the floor's work."""
 
     floor: float
     passes: float
@@ -185,11 +191,20 @@ class LoopTiming:
     plain: PlainLoop
 
     @classmethod
-    def of(cls, plain: PlainLoop) -> LoopTiming:
+    def of(cls, plain: PlainLoop, passes_run: bool) -> LoopTiming:
         n = len(plain.arrivals) - 1
         passes = sum(plain.loss_pass_seconds[1:]) / n
         with_passes = (plain.arrivals[-1] - plain.arrivals[0]) / n
-        return cls(with_passes - passes, passes, with_passes, (plain.cpu[-1] - plain.cpu[0]) / n, plain)
+        cpu = (plain.cpu[-1] - plain.cpu[0]) / n - (0.0 if passes_run else sum(plain.loss_pass_cpu[1:]) / n)
+        return cls(with_passes if passes_run else with_passes - passes, passes, with_passes, cpu, plain)
+
+
+def loss_passes_run(config: Any) -> bool:
+    """Whether the experiment's clients measure F_i before and after training: the engine's rule (RoundEngine's
+    train config), where a strategy that reads no losses, FedAvg's, gets them only with training.loss_telemetry."""
+    from aggregator_service.strategies import STRATEGIES
+
+    return STRATEGIES[config.strategy.name].reads_client_losses or config.training.loss_telemetry
 
 
 @dataclass
@@ -333,13 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         loops: dict[int, LoopTiming] = {}
         for loop_threads in sorted({1, cores}):
             plain = plain_loop(config, [list(r.selected) for r in trace.rounds], threads=loop_threads)
-            loops[loop_threads] = LoopTiming.of(plain)
+            loops[loop_threads] = LoopTiming.of(plain, loss_passes_run(config))
         pair = Pair(trace, loops)
         pairs.append(pair)
         print(
             f"  gRPC {pair.grpc_s:.4f} s/round; plain loop "
             + ", ".join(f"{t} thread(s) {loops[t].floor:.4f}" for t in sorted(loops))
-            + f" (+ loss passes {pair.loop.passes:.4f}); ratio {pair.ratio:.3f}"
+            + f" (loss passes {pair.loop.passes:.4f}{'' if loss_passes_run(config) else ', not run'}); "
+            f"ratio {pair.ratio:.3f}"
         )
     by_ratio = sorted(pairs, key=lambda p: p.ratio)
     middle = by_ratio[len(by_ratio) // 2]  # the median pair (odd counts; the upper middle for even ones)
@@ -390,19 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     figures += [
         benchlib.figure(
-            "gRPC round time / plain loop with the trainer's loss passes",
-            grpc_s / plain_with_passes,
-            "x",
-            note="the floor if it also measured each TRAIN task's loss and accuracy before and after its steps, "
-            "as client_agent/trainer.py does",
-            key="grpc_over_plain_with_passes",
-        ),
-        benchlib.figure(
             "in-process round time / plain PyTorch loop", inproc_s / floor, "x", key="inprocess_over_plain"
         ),
         benchlib.figure("gRPC round time / in-process round time", grpc_s / inproc_s, "x", key="grpc_over_inprocess"),
         benchlib.figure(
-            "gRPC: CPU seconds per round, all processes / plain loop's (with loss passes)",
+            "gRPC: CPU seconds per round, all processes / plain loop's",
             grpc_cpu_total / plain_cpu,
             "x",
             note="what the overhead costs when every core is busy",
@@ -415,7 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     figures += [
         benchlib.figure("in-process: seconds per round", inproc_s, "s", key="inprocess_s"),
         benchlib.figure("plain loop: seconds per round", floor, "s", key="plain_s"),
-        benchlib.figure("plain loop + loss passes: seconds per round", plain_with_passes, "s", key="plain_passes_s"),
+        benchlib.figure(
+            "plain loop with F_i passes on every task: seconds per round",
+            plain_with_passes,
+            "s",
+            note="in the floor only when the clients run them: training.loss_telemetry: true, or a strategy that "
+            "weights by the losses" + ("" if loss_passes_run(config) else " (this experiment's clients skip them)"),
+            key="plain_passes_s",
+        ),
     ]
     figures += [
         benchlib.figure(

@@ -64,6 +64,9 @@ class NoParams:
 class Strategy(ABC):
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
+    # Whether aggregate() reads the clients' F_i (loss_before, loss_after, accuracy_before). If not, agents skip those
+    # passes (~12% of a task's compute) unless training.loss_telemetry asks for them; Ψ telemetry is then not reported.
+    reads_client_losses: ClassVar[bool] = True
 
     def __init__(self, params: Any, server_lr: float) -> None:
         self.params = params

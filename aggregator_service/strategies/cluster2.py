@@ -52,6 +52,7 @@ def draw_weights(selected: Sequence[int], trained: Sequence[int]) -> list[float]
 
 class Cluster2(Strategy):
     name = "cluster2"
+    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
     Params = Cluster2Params
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:

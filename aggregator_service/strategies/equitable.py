@@ -105,6 +105,7 @@ def check_reply(reply: clustering_pb2.ClusterReply, n: int) -> None:
 
 class Equitable(Strategy):
     name = "equitable"
+    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
     Params = EquitableParams
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:

@@ -34,6 +34,7 @@ class FedAvgParams:
 
 class FedAvg(Strategy):
     name = "fedavg"
+    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
     Params = FedAvgParams
 
     def __init__(self, params: FedAvgParams, server_lr: float) -> None:
@@ -58,7 +59,7 @@ class FedAvg(Strategy):
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,
             weights=by_client,
-            metrics=loss_metrics(results, weights),  # Ψ telemetry, as every baseline reports it
+            metrics=loss_metrics(results, weights),  # Ψ telemetry when training.loss_telemetry measured the losses
         )
 
     def state_dict(self) -> dict[str, Any]:

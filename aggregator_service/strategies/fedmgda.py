@@ -101,6 +101,7 @@ def min_norm_weights(gram: np.ndarray, epsilon: float) -> tuple[np.ndarray, int]
 
 class FedMGDAPlus(Strategy):
     name = "fedmgda_plus"
+    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
     Params = FedMGDAParams
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:

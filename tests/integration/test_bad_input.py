@@ -52,7 +52,8 @@ CONFIG = {
     "rounds": 3,
     "data": {"dataset": "synthetic", "num_clients": 4},
     "model": {"name": "mlp", "hidden": [8]},
-    "training": {"local_steps": 3, "batch_size": 16, "lr": 0.05},
+    # loss_telemetry: FedAvg's tasks then owe their losses, so the NaN-loss cases are refusals, not withheld values.
+    "training": {"local_steps": 3, "batch_size": 16, "lr": 0.05, "loss_telemetry": True},
     "selection": {"method": "random", "clients_per_round": 2},
     "evaluation": {"every": 1},
     # The withheld evaluation result makes round 1 wait for this deadline once; everything else answers at once.

@@ -48,7 +48,8 @@ CONFIG = experiment_from_dict(
         "rounds": 1,
         "data": {"dataset": "synthetic", "num_clients": 2},
         "model": {"name": "mlp", "hidden": [8]},
-        "training": {"local_steps": 2, "batch_size": 16, "lr": 0.05},
+        # loss_telemetry: FedAvg's tasks then owe their losses (a missing one is a malformed result).
+        "training": {"local_steps": 2, "batch_size": 16, "lr": 0.05, "loss_telemetry": True},
         "selection": {"method": "random", "clients_per_round": 1},
         "runtime": {"agents": 1, "round_timeout_s": 300, "register_timeout_s": 30, "device": "cpu"},
     }

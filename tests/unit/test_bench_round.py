@@ -43,6 +43,20 @@ def test_plain_loop_reproduces_the_engine_run() -> None:
     assert without.final_accuracy == plain.final_accuracy and not any(without.loss_pass_seconds)
 
 
+def test_the_floor_holds_the_loss_passes_exactly_when_the_clients_run_them() -> None:
+    config = experiment_from_dict(SMALL)
+    assert not bench_round.loss_passes_run(config)  # FedAvg reads no F_i: its clients skip the passes
+    telemetry = experiment_from_dict({**SMALL, "training": {**SMALL["training"], "loss_telemetry": True}})
+    assert bench_round.loss_passes_run(telemetry)
+    plain = bench_round.PlainLoop(
+        arrivals=[0.0, 1.0, 2.0], cpu=[0.0, 1.5, 3.0], loss_pass_seconds=[0.1, 0.2, 0.2], loss_pass_cpu=[0.1, 0.3, 0.3]
+    )
+    skipped, run = bench_round.LoopTiming.of(plain, False), bench_round.LoopTiming.of(plain, True)
+    assert (skipped.floor, skipped.passes, skipped.with_passes) == pytest.approx((0.8, 0.2, 1.0))
+    assert skipped.cpu == pytest.approx(1.2) and run.cpu == pytest.approx(1.5)
+    assert run.floor == pytest.approx(1.0)
+
+
 def test_plain_loop_refuses_experiments_it_cannot_replay() -> None:
     config = experiment_from_dict(SMALL)
     bench_round._check_plain_loop_applies(config)  # FedAvg with SGD and uniform selection: fine

@@ -315,6 +315,9 @@ def test_a_missing_loss_is_refused_unless_dp_withholds_it(layout: ParamLayout) -
         task.train.dp.plaintext_telemetry = True
         with pytest.raises(codec.CodecError, match=f"{name} is missing"):
             check_against_task(withheld, task)
+        task.train.ClearField("dp")
+        task.train.skip_losses = True  # the strategy reads no F_i: the passes were skipped
+        check_against_task(withheld, task)
 
 
 @pytest.mark.parametrize("accuracy", [120.0, -0.1, NAN])

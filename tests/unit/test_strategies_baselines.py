@@ -559,3 +559,36 @@ def test_fedfair_and_qffl_match_fedavg_on_fashion_mnist_iid() -> None:
     qffl, _ = run_oracle(fmnist("qffl", {"q": 0.0}))
     assert torch.equal(fair, want)
     assert float((qffl - want).abs().max()) <= 1e-6
+
+
+def test_loss_passes_run_only_where_the_losses_are_read() -> None:
+    """FedAvg reads no F_i: its tasks skip the loss passes (so no Ψ telemetry) and train the same model bit for bit;
+    training.loss_telemetry brings the passes and Ψ back."""
+    skipped, skipped_rounds = run_oracle(config("fedavg", {}))
+    data = config("fedavg", {}).to_dict()
+    data["training"]["loss_telemetry"] = True
+    measured, measured_rounds = run_oracle(experiment_from_dict(data))
+    assert torch.equal(skipped, measured)  # the passes never touch the model
+    for event in skipped_rounds:
+        assert not {m.name for m in event.strategy_metrics} & {"psi", "psi_before"}
+    for event in measured_rounds:
+        metrics = {m.name: m.value for m in event.strategy_metrics}
+        assert metrics["psi"] > 0 and metrics["psi_before"] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "skips"),
+    [
+        ("fedavg", {}, True),
+        ("fedprox", {"mu": 0.01}, True),
+        ("fedmgda_plus", {}, True),
+        ("qffl", {"q": 1.0}, False),  # weights by loss_before
+        ("fairfed", {}, False),  # by accuracy_before
+        ("fedeba_plus", {}, False),  # by loss_after and loss_before
+    ],
+)
+def test_tasks_skip_the_loss_passes_by_what_the_strategy_reads(name: str, params: dict[str, Any], skips: bool) -> None:
+    engine = RoundEngine(
+        "x", config(name, params), InProcessTransport(), LocalSelector("random"), LocalPrivacy(), lambda e: None
+    )
+    assert engine._round_train_config(1).skip_losses is skips

@@ -5,6 +5,7 @@ the host, float(loss) added every step. CUDA behaviour is in tests/integration/t
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -182,6 +183,19 @@ def test_cpu_training_equals_the_plain_host_loop_bit_for_bit(fair: bool, monkeyp
     assert result.metrics["accuracy_before"] == accuracy_before
     assert result.loss_after == loss_after
     assert torch.count_nonzero(update) > 0  # it trained
+
+
+def test_skipping_the_loss_passes_changes_nothing_but_the_losses() -> None:
+    runtime, _ = runtime_with_blobs()
+    measured = runtime.run(train_task(2, seed=4, local_steps=5, batch_size=6, lr=0.05, loss_eval_batches=1))
+    skipped = runtime.run(
+        train_task(2, seed=4, local_steps=5, batch_size=6, lr=0.05, loss_eval_batches=1, skip_losses=True)
+    )
+    assert torch.equal(skipped.payloads[UPDATE], measured.payloads[UPDATE])
+    assert skipped.metrics["train_loss"] == measured.metrics["train_loss"]
+    assert math.isnan(skipped.loss_before) and math.isnan(skipped.loss_after)  # withheld, as check_result reads NaN
+    assert "accuracy_before" not in skipped.metrics
+    assert math.isfinite(measured.loss_before) and math.isfinite(measured.loss_after)
 
 
 def test_evaluation_on_the_cpu_equals_host_sums_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
