@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     agents, threads = config.runtime.agents, config.runtime.threads_per_agent
     setup = f"{agents} agent processes x {threads} torch thread"
     cores = benchlib.machine_info()["usable_cores"]
+    passes_run = loss_passes_run(config)  # the F_i passes count in the floor when the clients run them
     pairs: list[Pair] = []
     for repeat in range(repeats):
         print(f"pair {repeat + 1}/{repeats}: gRPC run, {config.rounds} rounds, {setup}")
@@ -348,13 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         loops: dict[int, LoopTiming] = {}
         for loop_threads in sorted({1, cores}):
             plain = plain_loop(config, [list(r.selected) for r in trace.rounds], threads=loop_threads)
-            loops[loop_threads] = LoopTiming.of(plain, loss_passes_run(config))
+            loops[loop_threads] = LoopTiming.of(plain, passes_run)
         pair = Pair(trace, loops)
         pairs.append(pair)
         print(
             f"  gRPC {pair.grpc_s:.4f} s/round; plain loop "
             + ", ".join(f"{t} thread(s) {loops[t].floor:.4f}" for t in sorted(loops))
-            + f" (loss passes {pair.loop.passes:.4f}{'' if loss_passes_run(config) else ', not run'}); "
+            + f" (loss passes {pair.loop.passes:.4f}{'' if passes_run else ', not run'}); "
             f"ratio {pair.ratio:.3f}"
         )
     by_ratio = sorted(pairs, key=lambda p: p.ratio)
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             plain_with_passes,
             "s",
             note="in the floor only when the clients run them: training.loss_telemetry: true, or a strategy that "
-            "weights by the losses" + ("" if loss_passes_run(config) else " (this experiment's clients skip them)"),
+            "weights by the losses" + ("" if passes_run else " (this experiment's clients skip them)"),
             key="plain_passes_s",
         ),
     ]

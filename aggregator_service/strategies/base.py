@@ -64,8 +64,8 @@ class NoParams:
 class Strategy(ABC):
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
-    # Whether aggregate() reads the clients' F_i (loss_before, loss_after, accuracy_before). If not, agents skip those
-    # passes (~12% of a task's compute) unless training.loss_telemetry asks for them; Ψ telemetry is then not reported.
+    # Whether aggregate() reads the clients' F_i (loss_before, loss_after, accuracy_before). If not, agents skip the two
+    # forward passes that measure them unless training.loss_telemetry asks for them; Ψ telemetry is then not reported.
     reads_client_losses: ClassVar[bool] = True
 
     def __init__(self, params: Any, server_lr: float) -> None:

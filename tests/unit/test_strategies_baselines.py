@@ -576,6 +576,14 @@ def test_loss_passes_run_only_where_the_losses_are_read() -> None:
         assert metrics["psi"] > 0 and metrics["psi_before"] > 0
 
 
+def test_the_timed_wrapper_reports_what_its_strategy_reads() -> None:
+    """The aggregator server wraps every strategy in TimedStrategy: the wrapper must not answer with the default."""
+    from aggregator_service.monitoring import TimedStrategy
+
+    assert TimedStrategy(strategy("fedavg")).reads_client_losses is False
+    assert TimedStrategy(strategy("qffl", q=1.0)).reads_client_losses is True
+
+
 @pytest.mark.parametrize(
     ("name", "params", "skips"),
     [
