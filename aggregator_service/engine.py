@@ -24,7 +24,7 @@ from aggregator_service.clustering_peer import LocalClusterer
 from aggregator_service.dp import DpController
 from aggregator_service.selection import SelectionDriver, Selector
 from aggregator_service.strategies import RoundContext, Strategy, build_strategy
-from aggregator_service.strategies.base import train_results
+from aggregator_service.strategies.base import measures_client_losses, train_results
 from aggregator_service.strategies.fold import ResultFold
 from client_agent.trainer import build_global_model
 from fairfl import codec
@@ -274,7 +274,7 @@ class RoundEngine:
         if self.dp is not None:
             self.dp.configure(cfg)
         if not cfg.HasField("dp"):  # F_i passes only where something reads them (DP-SGD: plaintext_telemetry decides)
-            cfg.skip_losses = not (self.strategy.reads_client_losses or t.loss_telemetry)
+            cfg.skip_losses = not measures_client_losses(self.strategy, t.loss_telemetry)
         return cfg
 
     def _tasks(

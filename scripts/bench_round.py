@@ -203,8 +203,9 @@ def loss_passes_run(config: Any) -> bool:
     """Whether the experiment's clients measure F_i before and after training: the engine's rule (RoundEngine's
     train config), where a strategy that reads no losses, FedAvg's, gets them only with training.loss_telemetry."""
     from aggregator_service.strategies import STRATEGIES
+    from aggregator_service.strategies.base import measures_client_losses
 
-    return STRATEGIES[config.strategy.name].reads_client_losses or config.training.loss_telemetry
+    return measures_client_losses(STRATEGIES[config.strategy.name], config.training.loss_telemetry)
 
 
 @dataclass

@@ -61,6 +61,12 @@ class NoParams:
     pass
 
 
+def measures_client_losses(strategy: Strategy | type[Strategy], loss_telemetry: bool) -> bool:
+    """Whether non-DP TRAIN tasks measure F_i before and after training: the strategy reads them, or
+    training.loss_telemetry asks for them anyway."""
+    return strategy.reads_client_losses or loss_telemetry
+
+
 class Strategy(ABC):
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
