@@ -7,7 +7,7 @@ leaves a usable state (docs/reliability.md):
   covers them; records beyond the checkpoint's count (a crash between the two writes) are dropped on resume.
 - `checkpoint.pb`: a `fairfl.v1.Checkpoint` replaced atomically (temp file, fsync, rename, fsync of the directory)
   when the run starts and after every round: config, round, model, strategy / DP / privacy-gate / selector state,
-  RNG states.
+  RNG states, and the key of the run's task ids (a resumed run issues the same ids for the same tasks).
 - `pending.pb`: the round about to be authorised by the privacy gate, written before the ledger call (selection and
   candidate count), so a resumed run re-runs that round with the same selection and the ledger recognises the
   identical authorisation (or, if the crash came before the ledger call, records it for the first time).
@@ -328,6 +328,7 @@ class RunCheckpointer:
             finished=final is not None,
             final_state=final[0] if final else "",
             final_message=final[1] if final else "",
+            task_id_key=engine.task_key,
         )
         atomic_write(self.directory / CHECKPOINT_FILE, checkpoint.SerializeToString())
 
@@ -348,6 +349,8 @@ class RunCheckpointer:
             )
         state = decode_state(ckpt.state_json, list(ckpt.tensors))
         engine.params = params
+        if ckpt.task_id_key:  # checkpoints from before task ids were keyed have none: the run keeps its new key
+            engine.task_key = bytes(ckpt.task_id_key)
         engine.strategy.load_state_dict(state["strategy"])
         if engine.dp is not None and state["dp"] is not None:
             engine.dp.load_state_dict(state["dp"])

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from aggregator_service.strategies.base import AggregateOutcome, RoundContext, train_results
-from fairfl.config import ExperimentConfig
+from fairfl.config import ConfigError, ExperimentConfig
 from fairfl.privacy import check_randomness, dp_seed
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2
@@ -95,6 +95,27 @@ def run_budget(run_id: str, config: ExperimentConfig) -> Budget:
         return Budget(run_id=run_id, epsilon=0.0, delta=0.0, accountant="rdp", principal_kind="none")
     orders = tuple(p.orders) if p.orders else None
     return Budget(run_id, p.epsilon, p.delta, p.accountant, p.principal, orders)
+
+
+def check_accountable(config: ExperimentConfig) -> None:
+    """Refuse, before round 1, a DP run whose rounds the ledger would refuse as unaccountable (ConfigError naming
+    the fields): the accountant's sound range (the config's own check, repeated for configs built without loading),
+    then one principal's round through the accountant and its RDP/PLD cross-check, which refuse an ε of 0 (a round
+    below what they resolve) or a disagreement. Both transports' ledgers apply the same checks to every round."""
+    p = config.privacy
+    p.validate("privacy")
+    specs = [accountant.EventSpec(e.sample_rate, e.noise_multiplier, e.count) for e in principal_events(config, "0")]
+    orders = tuple(p.orders) if p.orders else None
+    try:
+        accountant.epsilon(specs, p.delta, p.accountant, orders)
+        accountant.cross_check(specs, p.delta, orders if p.accountant == "rdp" else None)
+    except ValueError as err:
+        fields = (
+            "privacy.noise_multiplier, selection.clients_per_round"
+            if p.principal == "federation"
+            else "privacy.noise_multiplier, privacy.sample_rate, privacy.loss_noise_multiplier, training.local_steps"
+        )
+        raise ConfigError(f"{fields}: the privacy ledger cannot account one round of this run: {err}") from err
 
 
 def affordable_rounds(config: ExperimentConfig) -> int:

@@ -7,8 +7,11 @@ and the same client code without a network, as the oracle the distributed path i
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -38,6 +41,16 @@ from fairfl.v1 import clustering_pb2, common_pb2, control_pb2, federation_pb2, t
 
 log = logging.getLogger(__name__)
 SELECTION_PROBE_PHASE = 98  # task-id phase index of power-of-choice's loss probe (evaluation is 99)
+TASK_KEY_BYTES = 32
+TASK_ID_HEX = 32  # a 128-bit HMAC-SHA256 tag
+
+
+def task_id(key: bytes, run_id: str, round_number: int, phase_index: int, client_id: int) -> str:
+    """A task's id: a keyed MAC of (run, round, phase, client) under the run's secret key. Nobody without the key can
+    tell whose task an id is or derive another client's (docs/security.md), and the same key gives the same ids again
+    after a resume, which an agent's DP-release cache relies on (docs/reliability.md)."""
+    message = f"{run_id}/r{round_number}/p{phase_index}/c{client_id}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()[:TASK_ID_HEX]
 
 
 def dataset_signature(config: ExperimentConfig) -> tuple[tuple[int, ...], int]:
@@ -190,6 +203,7 @@ class RoundEngine:
         self.start_round = 1
         self.completed_round = 0
         self.replay: tuple[int, list[int], int] | None = None  # (round, selected, population) authorised pre-crash
+        self.task_key = secrets.token_bytes(TASK_KEY_BYTES)  # task ids' MAC key; a resumed run gets its own back
         self.failed_rounds = 0  # consecutive rounds below runtime.min_completion
         # Streaming aggregation (strategies/fold.py) unless something needs the round's updates whole: client-level
         # DP clips each one at aggregation, and Clustered Sampling / DivFL bank every client's last update.
@@ -290,7 +304,7 @@ class RoundEngine:
         tasks = []
         for cid in clients:
             task = federation_pb2.Task(
-                task_id=f"{self.run_id}/r{round_number}/p{phase_index}/c{cid}",
+                task_id=task_id(self.task_key, self.run_id, round_number, phase_index, cid),
                 run_id=self.run_id,
                 round=round_number,
                 phase=phase,

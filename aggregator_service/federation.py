@@ -7,18 +7,24 @@ and hash to the declared sha256. A refused result leaves the round and the model
 
 Identity (docs/security.md): on an mTLS aggregator every agent id is bound at registration to the certificate that
 registered it (its fingerprint; "" on a plaintext aggregator), so polling, heartbeats and results for an agent id are
-accepted only from that certificate, and an agent certificate that names its clients may register only those.
+accepted only from that certificate, and an agent certificate that names its clients may register only those. A
+result for a task another certificate was given is answered as for a task never issued, and counts nowhere.
+
+Registrations are bounded (docs/reliability.md): one silent for `agent_expiry` is forgotten, and each certificate
+holds at most `max_agents_per_identity` (its least recently seen one that is no longer live makes room).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -46,7 +52,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "fairfl.v1.Federation"
 HEARTBEAT_INTERVAL_S = 5.0
 AGENT_TIMEOUT_S = 30.0  # an agent silent this long no longer counts as available
+AGENT_EXPIRY_FACTOR = 10  # an agent silent this many agent timeouts is forgotten (it registers again when it returns)
+MAX_AGENTS_PER_IDENTITY = 1024  # registrations one certificate holds (a StatefulSet's agents share one)
 MAX_POLL_WAIT_S = 30.0
+MAX_TASKS_PER_POLL = 1024  # tasks in one poll reply (well below the 4 MiB message limit)
 CLOSED_TASK_MEMORY = 200_000
 MAX_CLIENTS_PER_AGENT = 1_000_000
 MAX_NAME_CHARS = 256
@@ -67,6 +76,16 @@ class Rejected(Exception):
         self.cause = cause  # fairfl_requests_refused_total's reason: a fixed word (see fairfl.telemetry)
 
 
+class RegistrationRefused(Exception):
+    """A certificate holds as many live registrations as it may (RESOURCE_EXHAUSTED)."""
+
+
+def _never_issued(task_id: str) -> Rejected:
+    """The answer for a task id the caller's certificate was not given: the same as for one never issued, so that it
+    tells nothing about other sites' tasks."""
+    return Rejected(grpc.StatusCode.NOT_FOUND, f"unknown task {task_id[:200]!r}: it was never issued", cause="unknown")
+
+
 @dataclass
 class _Agent:
     agent_id: str
@@ -77,6 +96,14 @@ class _Agent:
     queue: deque[federation_pb2.Task] = field(default_factory=deque)
     principal: str = ""  # fingerprint of the certificate that registered it ("" on a plaintext aggregator)
     shared: bool = False  # co-hosts its clients with other shared agents (RegisterRequest.shared)
+    # Open tasks given to it, queued or taken (being trained), in dispatch order: what a crash of it leaves undone.
+    tasks: dict[str, None] = field(default_factory=dict)
+
+
+class _Closed(NamedTuple):
+    round: int
+    accepted: bool
+    principal: str | None  # the certificate it was given to (None: its agent was forgotten; nobody may answer)
 
 
 @dataclass
@@ -111,6 +138,8 @@ class FederationState:
         heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
         agent_timeout: float = AGENT_TIMEOUT_S,
         max_long_polls: int = 1 << 30,
+        max_agents_per_identity: int = MAX_AGENTS_PER_IDENTITY,
+        agent_expiry: float | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < agent_timeout:
             raise ValueError(
@@ -118,23 +147,30 @@ class FederationState:
             )
         self.lock = threading.Condition()
         # Liveness (docs/reliability.md): agents heartbeat this often; one silent for agent_timeout has vanished,
-        # its clients are no candidates and its open tasks close without waiting for the deadline.
+        # its clients are no candidates and its open tasks go to a live co-host or close without waiting for the
+        # deadline; one silent for agent_expiry is forgotten.
         self.heartbeat_interval = heartbeat_interval
         self.agent_timeout = agent_timeout
+        self.agent_expiry = max(agent_timeout, agent_expiry or AGENT_EXPIRY_FACTOR * agent_timeout)
+        self.max_agents_per_identity = max_agents_per_identity
         # Every waiting poll holds a server worker: beyond this many a poll answers at once, so results, heartbeats
         # and run control always find a free worker.
         self.max_long_polls = max_long_polls
         self.long_polls = 0
-        self.agents: dict[str, _Agent] = {}
-        self.client_hosts: dict[int, list[str]] = {}  # client id -> ids of the agents hosting it
+        # Least recently seen first (touching an agent moves it to the end): expiry and eviction look at the front.
+        self.agents: OrderedDict[str, _Agent] = OrderedDict()
+        self.identities: dict[str, OrderedDict[str, None]] = {}  # principal -> its agent ids, least recently seen first
+        self.names: dict[tuple[str, str], str] = {}  # (principal, agent name) -> agent id
+        # client id -> ids of the agents hosting it: one unshared agent, or any number of shared ones
+        self.client_hosts: dict[int, dict[str, None]] = {}
         self.assigned: dict[str, str] = {}  # open task id -> the agent it was given to (the one to answer it)
         self.blobs = BlobStore()
         self.run_id: str | None = None
         self.run_yaml: dict[str, str] = {}
         self.layout: ParamLayout | None = None
         self.open_tasks: dict[str, _Batch] = {}
-        # task id -> (round, accepted); tells a late result (closed at its deadline) from a duplicate
-        self.closed_tasks: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        # task id -> round, accepted, owner; tells a late result (closed at its deadline) from a duplicate
+        self.closed_tasks: OrderedDict[str, _Closed] = OrderedDict()
         self.refused_after_close: Counter[tuple[int, str]] = Counter()  # (round, "late" | "duplicate") -> count
         self.counters = {"rejected": 0, "late": 0, "duplicate": 0, "accepted": 0}
 
@@ -143,40 +179,125 @@ class FederationState:
     def register(
         self, name: str, client_ids: list[int], device: str, principal: str = "", shared: bool = False
     ) -> _Agent:
+        """A new registration. It replaces the one of the same name and certificate (an agent that reconnected or
+        restarted) and takes its clients from the agents that host them exclusively, with their open tasks: those
+        still queued, and those they had taken, re-sent (a crashed agent lost them). Raises RegistrationRefused when
+        the certificate holds its maximum of live registrations."""
         with self.lock:
+            now = time.monotonic()
+            self._expire(now)
+            replaced = self.agents.get(self.names.get((principal, name), ""))
+            self._make_room(principal, replaced, now)
             agent = _Agent(
-                uuid.uuid4().hex,
-                name,
-                sorted(set(client_ids)),
-                device,
-                time.monotonic(),
-                principal=principal,
-                shared=shared,
+                uuid.uuid4().hex, name, sorted(set(client_ids)), device, now, principal=principal, shared=shared
             )
             taken = set(agent.client_ids)
-            for old in [a for a in self.agents.values() if taken & set(a.client_ids)]:
-                if shared and old.shared and old.name != name:
-                    continue  # co-hosts: both keep the clients
-                # A re-registering agent takes its clients back, with the tasks already queued for them and those it
-                # was running, so a reconnect does not cost the round its deadline.
-                old.client_ids = [c for c in old.client_ids if c not in taken]
-                agent.queue.extend(t for t in old.queue if t.client_id in taken)
-                old.queue = deque(t for t in old.queue if t.client_id not in taken)
-                for task_id, holder in self.assigned.items():
-                    task = self._task(task_id)
-                    if holder == old.agent_id and task is not None and task.client_id in taken:
-                        self.assigned[task_id] = agent.agent_id
-                for cid in taken:
-                    hosts = self.client_hosts.get(cid, [])
-                    if old.agent_id in hosts:
-                        hosts.remove(old.agent_id)
-                if not old.client_ids:
-                    del self.agents[old.agent_id]
-            for cid in agent.client_ids:
-                self.client_hosts.setdefault(cid, []).append(agent.agent_id)
+            for old in self._displaced(agent, taken, replaced):
+                self._move_tasks(old, agent, taken)
+                self._release(old, taken, forget=old is replaced)
             self.agents[agent.agent_id] = agent
+            self.identities.setdefault(principal, OrderedDict())[agent.agent_id] = None
+            self.names[(principal, name)] = agent.agent_id
+            for cid in agent.client_ids:
+                self.client_hosts.setdefault(cid, {})[agent.agent_id] = None
             self.lock.notify_all()
             return agent
+
+    def _expire(self, now: float) -> None:
+        """Forget agents silent for agent_expiry (caller holds the lock); amortised O(1): only the front is read."""
+        while self.agents:
+            oldest = next(iter(self.agents.values()))
+            if now - oldest.last_seen < self.agent_expiry:
+                return
+            log.info(
+                "agent %s (%s) silent for %.0fs: forgotten", oldest.agent_id[:8], oldest.name, now - oldest.last_seen
+            )
+            self._forget(oldest)
+
+    def _make_room(self, principal: str, replaced: _Agent | None, now: float) -> None:
+        """Make room for one more registration of `principal`: evict its least recently seen one if that is no longer
+        live, else refuse (caller holds the lock)."""
+        mine = self.identities.get(principal)
+        if replaced is not None or mine is None or len(mine) < self.max_agents_per_identity:
+            return
+        oldest = self.agents[next(iter(mine))]
+        if self._live(oldest, now):  # the least recently seen is live, so all are
+            raise RegistrationRefused(
+                f"this certificate already holds {len(mine)} live agent registrations, the most one certificate may "
+                f"hold ({self.max_agents_per_identity}); register again once one has been silent for "
+                f"{self.agent_timeout:g}s, or give agents their own certificates"
+            )
+        log.info("agent %s (%s) evicted: its certificate registered a new agent", oldest.agent_id[:8], oldest.name)
+        self._forget(oldest)
+
+    def _displaced(self, agent: _Agent, taken: set[int], replaced: _Agent | None) -> list[_Agent]:
+        """The registrations that lose clients to `agent`: the one it replaces, and the hosts of its clients unless
+        both are shared (co-hosts keep them). Found through client_hosts, not by scanning the agents."""
+        found: dict[str, _Agent] = {} if replaced is None else {replaced.agent_id: replaced}
+        for cid in taken:
+            hosts = self.client_hosts.get(cid)
+            if not hosts:
+                continue
+            first = self.agents[next(iter(hosts))]
+            if agent.shared and first.shared:
+                continue  # a shared client has only shared hosts (an unshared host holds its clients alone)
+            found.update((aid, self.agents[aid]) for aid in hosts)
+        return list(found.values())
+
+    def _move_tasks(self, old: _Agent, new: _Agent, clients: set[int]) -> None:
+        """`old`'s open tasks of `clients` go to `new`: the ones it had taken first (re-sent: they may have died with
+        its process), then those still queued, in their order (caller holds the lock)."""
+        queued = [t for t in old.queue if t.client_id in clients]
+        if queued:
+            old.queue = deque(t for t in old.queue if t.client_id not in clients)
+        waiting = {t.task_id for t in queued}
+        for task_id in list(old.tasks):
+            task = self._task(task_id)
+            if task is None or task.client_id not in clients:
+                continue
+            del old.tasks[task_id]
+            if task_id not in waiting:
+                new.queue.append(task)
+            new.tasks[task_id] = None
+            self.assigned[task_id] = new.agent_id
+        new.queue.extend(queued)
+
+    def _release(self, old: _Agent, taken: set[int], forget: bool) -> None:
+        """`old` no longer hosts `taken`; it is forgotten when it is replaced or hosts nothing any more."""
+        lost = [c for c in old.client_ids if c in taken]
+        if forget or len(lost) == len(old.client_ids):
+            self._forget(old)
+            return
+        old.client_ids = [c for c in old.client_ids if c not in taken]
+        for cid in lost:
+            self._unhost(cid, old.agent_id)
+
+    def _forget(self, agent: _Agent) -> None:
+        """Drop every trace of a registration but the tasks assigned to it: they count as vanished (caller holds the
+        lock)."""
+        del self.agents[agent.agent_id]
+        mine = self.identities[agent.principal]
+        del mine[agent.agent_id]
+        if not mine:
+            del self.identities[agent.principal]
+        if self.names.get((agent.principal, agent.name)) == agent.agent_id:
+            del self.names[(agent.principal, agent.name)]
+        for cid in agent.client_ids:
+            self._unhost(cid, agent.agent_id)
+        agent.queue.clear()
+        agent.tasks.clear()
+
+    def _unhost(self, client_id: int, agent_id: str) -> None:
+        hosts = self.client_hosts.get(client_id)
+        if hosts is not None:
+            hosts.pop(agent_id, None)
+            if not hosts:
+                del self.client_hosts[client_id]
+
+    def _seen(self, agent: _Agent, now: float) -> None:
+        agent.last_seen = now
+        self.agents.move_to_end(agent.agent_id)
+        self.identities[agent.principal].move_to_end(agent.agent_id)
 
     def _task(self, task_id: str) -> federation_pb2.Task | None:
         """An open task (caller holds the lock)."""
@@ -188,13 +309,16 @@ class FederationState:
 
     def hosts(self, client_id: int) -> list[_Agent]:
         """The agents registered for `client_id` (caller holds the lock)."""
-        return [self.agents[aid] for aid in self.client_hosts.get(client_id, ()) if aid in self.agents]
+        return [self.agents[aid] for aid in self.client_hosts.get(client_id, ())]
 
     def touch(self, agent_id: str) -> _Agent | None:
+        """The agent, seen now; None when it is unknown or was forgotten (it must register again)."""
         with self.lock:
+            now = time.monotonic()
+            self._expire(now)
             agent = self.agents.get(agent_id)
             if agent is not None:
-                agent.last_seen = time.monotonic()
+                self._seen(agent, now)
             return agent
 
     def live_clients(self) -> list[int]:
@@ -212,23 +336,80 @@ class FederationState:
         agent = self.agents.get(self.assigned.get(task_id, ""))
         return agent is None or not self._live(agent, now)
 
+    def owner(self, task_id: str) -> str | None:
+        """The certificate an open task was given to (its agent's); None when no agent holds it (caller holds the
+        lock)."""
+        agent = self.agents.get(self.assigned.get(task_id, ""))
+        return None if agent is None else agent.principal
+
+    def _give(self, task: federation_pb2.Task, agent: _Agent) -> None:
+        agent.queue.append(task)
+        agent.tasks[task.task_id] = None
+        self.assigned[task.task_id] = agent.agent_id
+
+    def _take_back(self, task_id: str) -> _Agent | None:
+        """Unassign a task that closed; its agent, if it still exists (caller holds the lock)."""
+        agent = self.agents.get(self.assigned.pop(task_id, ""))
+        if agent is not None:
+            agent.tasks.pop(task_id, None)
+        return agent
+
+    @staticmethod
+    def _load(agent: _Agent) -> tuple[int, str, str]:
+        """Least-loaded first; ties by name, so the same agents get the same tasks again after a restart."""
+        return len(agent.queue), agent.name, agent.agent_id
+
     def dispatch(self, tasks: list[federation_pb2.Task]) -> list[federation_pb2.Task]:
-        """Queue each task with the least-loaded live host of its client (ties: by name, so the same agents get the
-        same tasks again after a restart); returns the tasks no agent hosts. Caller holds the lock."""
+        """Queue each task with the least-loaded live host of its client; returns the tasks no agent hosts. Caller
+        holds the lock."""
         now = time.monotonic()
-        load = {aid: len(a.queue) for aid, a in self.agents.items()}
         unhosted = []
         for task in tasks:
             hosts = self.hosts(task.client_id)
-            live = [a for a in hosts if self._live(a, now)]
             if not hosts:
                 unhosted.append(task)
                 continue
-            agent = min(live or hosts, key=lambda a: (load[a.agent_id], a.name, a.agent_id))
-            load[agent.agent_id] += 1
-            agent.queue.append(task)
-            self.assigned[task.task_id] = agent.agent_id
+            live = [a for a in hosts if self._live(a, now)]
+            self._give(task, min(live or hosts, key=self._load))
         return unhosted
+
+    def resend_vanished(self, batch: _Batch, now: float) -> None:
+        """Give each pending task of `batch` whose agent vanished (silent, or gone) to a live co-host of its client,
+        when there is one, so the phase need not wait for its deadline (caller holds the lock)."""
+        moved: dict[str, set[str]] = {}  # vanished agent -> its tasks given to others
+        resent = 0
+        for task_id, task in batch.pending.items():
+            holder = self.agents.get(self.assigned.get(task_id, ""))
+            if holder is not None and self._live(holder, now):
+                continue
+            live = [a for a in self.hosts(task.client_id) if self._live(a, now)]
+            if not live:
+                continue
+            if holder is not None:
+                holder.tasks.pop(task_id, None)
+                moved.setdefault(holder.agent_id, set()).add(task_id)
+            target = min(live, key=self._load)
+            self._give(task, target)
+            resent += 1
+            log.info("task of client %d re-sent to agent %s: its agent vanished", task.client_id, target.agent_id[:8])
+        for agent_id, task_ids in moved.items():
+            holder = self.agents[agent_id]
+            holder.queue = deque(t for t in holder.queue if t.task_id not in task_ids)
+        if resent:
+            self.lock.notify_all()  # the co-hosts' long polls
+
+    def close_pending(self, batch: _Batch) -> None:
+        """Close a phase's unanswered tasks: results for them are late from now on, and queued ones are withdrawn
+        (caller holds the lock)."""
+        holders: dict[str, _Agent] = {}
+        for task_id, task in batch.pending.items():
+            self.open_tasks.pop(task_id, None)
+            self._remember_closed(task_id, task.round, accepted=False, principal=self.owner(task_id))
+            holder = self._take_back(task_id)
+            if holder is not None and holder.queue:
+                holders[holder.agent_id] = holder
+        for holder in holders.values():
+            holder.queue = deque(t for t in holder.queue if t.task_id not in batch.pending)
 
     def wake(self) -> None:
         """Wake every waiter (a phase, a wait for clients) so it rechecks its stop event now."""
@@ -236,32 +417,44 @@ class FederationState:
             self.lock.notify_all()
 
     def poll(self, agent_id: str, max_tasks: int, wait: float) -> list[federation_pb2.Task]:
+        """Up to `max_tasks` (at most MAX_TASKS_PER_POLL) queued tasks, waiting up to `wait` seconds (at most
+        MAX_POLL_WAIT_S; NaN or less than 0: none) for the first."""
+        wait = min(wait, MAX_POLL_WAIT_S) if wait > 0 else 0.0  # NaN compares false: no wait, never a spin
         with self.lock:
             if self.long_polls >= self.max_long_polls:
                 wait = 0.0  # no worker to spare for waiting: answer now (the agent backs off briefly)
             self.long_polls += 1
             try:
-                return self._poll(agent_id, max_tasks, time.monotonic() + min(max(wait, 0.0), MAX_POLL_WAIT_S))
+                return self._poll(agent_id, min(max(1, max_tasks), MAX_TASKS_PER_POLL), time.monotonic() + wait)
             finally:
                 self.long_polls -= 1
 
-    def _poll(self, agent_id: str, max_tasks: int, deadline: float) -> list[federation_pb2.Task]:
+    def _poll(self, agent_id: str, take: int, deadline: float) -> list[federation_pb2.Task]:
         with self.lock:
             while True:
                 agent = self.agents.get(agent_id)
                 if agent is None:
                     return []
-                agent.last_seen = time.monotonic()
-                now_unix = time.time()
-                while agent.queue and agent.queue[0].deadline_unix < now_unix:
-                    agent.queue.popleft()  # expired before anyone picked it up
-                if agent.queue:
-                    take = max(1, max_tasks)
-                    return [agent.queue.popleft() for _ in range(min(take, len(agent.queue)))]
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                self._seen(agent, now)
+                tasks = self._next_tasks(agent, take)
+                if tasks:
+                    return tasks
+                remaining = deadline - now
                 if remaining <= 0:
                     return []
                 self.lock.wait(remaining)
+
+    def _next_tasks(self, agent: _Agent, take: int) -> list[federation_pb2.Task]:
+        """Pop up to `take` tasks still due from the agent (caller holds the lock)."""
+        now_unix = time.time()
+        tasks: list[federation_pb2.Task] = []
+        while agent.queue and len(tasks) < take:
+            task = agent.queue.popleft()
+            # Expired before anyone picked it up, or answered or given to another agent since it was queued.
+            if task.deadline_unix >= now_unix and self.assigned.get(task.task_id) == agent.agent_id:
+                tasks.append(task)
+        return tasks
 
     # -- results ------------------------------------------------------------------------------------------------
 
@@ -283,81 +476,8 @@ class FederationState:
         `principal` is the submitting certificate's fingerprint ("" on a plaintext aggregator); `sha256_optional`:
         the header may omit the payload's sha256 (ResultAssembler)."""
         with self.lock:
-            batch = self.open_tasks.get(header.task_id)
-            task = batch.pending.get(header.task_id) if batch else None
+            task = self._addressed(header, principal)
             layout = self.layout
-            if task is None or batch is None:
-                closed = self.closed_tasks.get(header.task_id)
-                if closed is None:
-                    raise Rejected(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"unknown task {header.task_id[:200]!r}: it was never issued",
-                        cause="unknown",
-                    )
-                round_number, accepted = closed
-                kind = "duplicate" if accepted else "late"
-                self.counters[kind] += 1
-                self.refused_after_close[(round_number, kind)] += 1
-                if accepted:  # a replay: whoever sends it, a result counts once
-                    raise Rejected(
-                        grpc.StatusCode.PERMISSION_DENIED,
-                        f"task {header.task_id} is closed: its result was already accepted; results are accepted "
-                        "once (replay refused)",
-                        late=True,
-                        reason=kind,
-                        cause="replay",
-                    )
-                raise Rejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"task {header.task_id} is closed: round {round_number} closed it at its deadline before the "
-                    "result arrived",
-                    late=True,
-                    reason=kind,
-                    cause="late",
-                )
-            hosts = self.client_hosts.get(header.client_id)
-            if not hosts:
-                raise Rejected(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"unknown client id {header.client_id}: no agent registered it",
-                    cause="unknown",
-                )
-            if header.client_id != task.client_id:
-                raise Rejected(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}",
-                    cause="identity",
-                )
-            if header.agent_id not in hosts:  # an empty agent id is no excuse: task ids are guessable
-                raise Rejected(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"client {header.client_id} is hosted by agent {hosts[0][:8]}…"
-                    f"{f' (and {len(hosts) - 1} more)' if len(hosts) > 1 else ''}, not by the submitting agent "
-                    f"{header.agent_id[:8] or '(none given)'}",
-                    cause="identity",
-                )
-            given = self.assigned.get(header.task_id, "")
-            if header.agent_id != given:  # a co-host of the client, but the task went to another agent
-                raise Rejected(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"task {header.task_id} was given to agent {given[:8]}…, not to the submitting agent "
-                    f"{header.agent_id[:8]}… (both host client {header.client_id})",
-                    cause="identity",
-                )
-            if self.agents[given].principal != principal:  # agent ids are secrets only until a log line leaks one
-                raise Rejected(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"client {header.client_id}'s agent {given[:8]}… registered with another certificate than the "
-                    "one submitting this result",
-                    cause="identity",
-                )
-            if (header.run_id, header.round, header.phase) != (task.run_id, task.round, task.phase):
-                raise Rejected(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"result says run {header.run_id[:200]!r} round {header.round} phase {header.phase}; the task is "
-                    f"run {task.run_id!r} round {task.round} phase {task.phase}",
-                    cause="mismatch",
-                )
         assert layout is not None
         try:
             assembler = ResultAssembler(header, layout, sha256_optional)
@@ -369,11 +489,90 @@ class FederationState:
         except codec.CodecError as err:
             code = grpc.StatusCode.DATA_LOSS if err.reason == "integrity" else grpc.StatusCode.INVALID_ARGUMENT
             raise Rejected(code, f"result for task {header.task_id} refused: {err}", cause=err.reason) from err
+        batch = self._file(header, result, principal)
+        if batch is not None:
+            self._fold(batch, header.task_id, result)
+
+    def _addressed(self, header: federation_pb2.ResultHeader, principal: str) -> federation_pb2.Task:
+        """The open task `header` answers, when the caller may answer it; raises Rejected (caller holds the lock)."""
+        task = self._task(header.task_id)
+        if task is None:
+            raise self._refusal_of_closed(header.task_id, principal)
+        if self.owner(header.task_id) != principal:  # another site's task: answered as if it did not exist
+            raise _never_issued(header.task_id)
+        hosts = self.client_hosts.get(header.client_id)
+        if not hosts:
+            raise Rejected(
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown client id {header.client_id}: no agent registered it",
+                cause="unknown",
+            )
+        if header.client_id != task.client_id:
+            raise Rejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"task {task.task_id} belongs to client {task.client_id}, not {header.client_id}",
+                cause="identity",
+            )
+        if header.agent_id not in hosts:  # an empty agent id is no excuse: the certificate may run many agents
+            first = next(iter(hosts))
+            raise Rejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"client {header.client_id} is hosted by agent {first[:8]}…"
+                f"{f' (and {len(hosts) - 1} more)' if len(hosts) > 1 else ''}, not by the submitting agent "
+                f"{header.agent_id[:8] or '(none given)'}",
+                cause="identity",
+            )
+        given = self.assigned.get(header.task_id, "")
+        if header.agent_id != given:  # a co-host of the client, but the task went to another agent
+            raise Rejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"task {header.task_id} was given to agent {given[:8]}…, not to the submitting agent "
+                f"{header.agent_id[:8]}… (both host client {header.client_id})",
+                cause="identity",
+            )
+        if (header.run_id, header.round, header.phase) != (task.run_id, task.round, task.phase):
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"result says run {header.run_id[:200]!r} round {header.round} phase {header.phase}; the task is "
+                f"run {task.run_id!r} round {task.round} phase {task.phase}",
+                cause="mismatch",
+            )
+        return task
+
+    def _refusal_of_closed(self, task_id: str, principal: str) -> Rejected:
+        """The refusal of a result for a task that is not open: a late result or a replay when the caller was given
+        the task (counted with its round), else the answer for a task never issued (caller holds the lock)."""
+        closed = self.closed_tasks.get(task_id)
+        if closed is None or closed.principal != principal:
+            return _never_issued(task_id)
+        kind = "duplicate" if closed.accepted else "late"
+        self.counters[kind] += 1
+        self.refused_after_close[(closed.round, kind)] += 1
+        if closed.accepted:  # a replay: a result counts once
+            return Rejected(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"task {task_id} is closed: its result was already accepted; results are accepted once (replay "
+                "refused)",
+                late=True,
+                reason=kind,
+                cause="replay",
+            )
+        return Rejected(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"task {task_id} is closed: round {closed.round} closed it at its deadline before the result arrived",
+            late=True,
+            reason=kind,
+            cause="late",
+        )
+
+    def _file(self, header: federation_pb2.ResultHeader, result: ClientResult, principal: str) -> _Batch | None:
+        """File a checked result with its phase, unless the task closed meanwhile (raises Rejected); returns the batch
+        when the result must still be folded into its sink."""
         with self.lock:
             batch = self.open_tasks.get(header.task_id)
             closed = self.closed_tasks.get(header.task_id)
             open_now = batch is not None and header.task_id in batch.pending
-            if not open_now and closed is not None and closed[1]:  # sent twice at once: the other copy got in
+            if not open_now and closed is not None and closed.accepted:  # sent twice at once: the other copy got in
                 self.counters["duplicate"] += 1
                 self.refused_after_close[(header.round, "duplicate")] += 1
                 raise Rejected(
@@ -397,25 +596,30 @@ class FederationState:
                 )
             del batch.pending[header.task_id]
             del self.open_tasks[header.task_id]
-            self.assigned.pop(header.task_id, None)
-            self._remember_closed(header.task_id, header.round, accepted=True)
+            self._take_back(header.task_id)
+            self._remember_closed(header.task_id, header.round, accepted=True, principal=principal)
             self.counters["accepted"] += 1
             if batch.sink is None:
                 batch.results[result.client_id] = result
                 if batch.settled():
                     self.lock.notify_all()
-                return
+                return None
             if batch.error is not None:  # the phase already failed: its aggregate is void, nothing to fold into
-                return
+                return None
             batch.folding += 1
-        # Folded outside the lock (a big update takes a while) but before the phase can close: execute() waits for
-        # `folding` to drain, so every accepted result is in the aggregate and none arrives after it was formed.
+            return batch
+
+    def _fold(self, batch: _Batch, task_id: str, result: ClientResult) -> None:
+        """Fold an accepted result outside the lock (a big update takes a while) but before the phase can close:
+        execute() waits for `folding` to drain, so every accepted result is in the aggregate and none arrives after
+        it was formed."""
+        assert batch.sink is not None
         folded = False
         try:
             batch.sink(result)
             folded = True
         except Exception as err:  # not the client's fault (it was accepted): the phase fails with it
-            log.exception("folding the result of task %s failed", header.task_id)
+            log.exception("folding the result of task %s failed", task_id)
             batch.error = err
         finally:
             with self.lock:
@@ -425,12 +629,13 @@ class FederationState:
                 if batch.settled():
                     self.lock.notify_all()
 
-    def count_rejection(self, task_id: str) -> None:
-        """Count a refused result for a still-open task with its phase (closed tasks are counted in accept)."""
+    def count_rejection(self, task_id: str, principal: str = "") -> None:
+        """Count a refused result; with its still-open task's phase only when the task's own certificate sent it
+        (another site's attempts must not weigh on this round; closed tasks are counted in accept)."""
         with self.lock:
             self.counters["rejected"] += 1
             batch = self.open_tasks.get(task_id)
-            if batch is not None:
+            if batch is not None and self.owner(task_id) == principal:
                 batch.rejected += 1
 
     def drain_refused_after_close(self, round_number: int) -> tuple[int, int]:
@@ -440,8 +645,8 @@ class FederationState:
             duplicate = self.refused_after_close.pop((round_number, "duplicate"), 0)
             return late, duplicate
 
-    def _remember_closed(self, task_id: str, round_number: int, accepted: bool) -> None:
-        self.closed_tasks[task_id] = (round_number, accepted)
+    def _remember_closed(self, task_id: str, round_number: int, accepted: bool, principal: str | None) -> None:
+        self.closed_tasks[task_id] = _Closed(round_number, accepted, principal)
         while len(self.closed_tasks) > CLOSED_TASK_MEMORY:
             self.closed_tasks.popitem(last=False)
 
@@ -510,17 +715,13 @@ class GrpcTransport(ClientTransport):
                     break
                 state.lock.wait(min(remaining, check_every))
                 now = time.monotonic()
+                state.resend_vanished(batch, now)  # a crashed co-host's tasks go to a live one
                 if batch.pending and all(state.vanished(task_id, now) for task_id in batch.pending):
                     # Nobody left who could answer: close now; those clients may come back in a later round.
                     gone = sorted(t.client_id for t in batch.pending.values())
                     log.info("phase closes early: clients %s vanished mid-round (agent silent or gone)", gone[:20])
                     break
-            for task_id in list(batch.pending):  # close the phase: anything still pending is now late
-                state.open_tasks.pop(task_id, None)
-                state.assigned.pop(task_id, None)
-                state._remember_closed(task_id, batch.pending[task_id].round, accepted=False)
-            for agent in state.agents.values():  # tasks nobody picked up are withdrawn
-                agent.queue = deque(t for t in agent.queue if t.task_id not in batch.pending)
+            state.close_pending(batch)  # anything still pending is now late; tasks nobody picked up are withdrawn
             batch.closing = True
             while batch.folding:  # accepted results still being folded in: the aggregate must hold them all
                 state.lock.wait()
@@ -584,13 +785,16 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                     f"{identity.describe()} may host clients {identity.clients and tls.format_ranges(identity.clients)}"
                     f", not {refused}",
                 )
-        agent = self.state.register(
-            request.agent_name,
-            list(request.client_ids),
-            request.device[:MAX_NAME_CHARS],
-            principal=identity.fingerprint if identity is not None else "",
-            shared=request.shared,
-        )
+        try:
+            agent = self.state.register(
+                request.agent_name,
+                list(request.client_ids),
+                request.device[:MAX_NAME_CHARS],
+                principal=identity.fingerprint if identity is not None else "",
+                shared=request.shared,
+            )
+        except RegistrationRefused as full:
+            rpc.refuse(context, SERVICE_NAME, "resource_exhausted", grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
         log.info(
             "agent %s (%s, %s) registered %d clients%s",
             agent.agent_id[:8],
@@ -610,14 +814,26 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return federation_pb2.HeartbeatReply(known=self.state.touch(request.agent_id) is not None)
 
     def PollTasks(self, request: federation_pb2.PollRequest, context: grpc.ServicerContext):
+        wait = request.wait_seconds
+        if not (math.isfinite(wait) and wait >= 0):  # NaN would make the wait loop spin instead of sleep
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "malformed",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"wait_seconds must be a finite number >= 0 (longer than {MAX_POLL_WAIT_S:g} waits "
+                f"{MAX_POLL_WAIT_S:g}), got {wait}",
+            )
         self._bound(context, request.agent_id, "poll tasks")
         if self.state.touch(request.agent_id) is None:
-            context.abort(
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "identity",
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"agent {request.agent_id[:64]!r} is not registered (the aggregator may have restarted); "
-                "register again",
+                f"agent {request.agent_id[:64]!r} is not registered (the aggregator may have restarted, or forgot "
+                "the agent after a long silence); register again",
             )
-        wait = request.wait_seconds
         remaining = context.time_remaining()
         if remaining is not None:
             wait = min(wait, max(remaining - 1.0, 0.0))
@@ -643,14 +859,24 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     def GetRunSpec(self, request: federation_pb2.RunSpecRequest, context: grpc.ServicerContext):
         text = self.state.run_yaml.get(request.run_id)
         if text is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"run {request.run_id!r} is unknown to this aggregator")
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "unknown",
+                grpc.StatusCode.NOT_FOUND,
+                f"run {request.run_id[:200]!r} is unknown to this aggregator",
+            )
         return federation_pb2.RunSpec(run_id=request.run_id, experiment_yaml=text)
 
     def FetchBlob(self, request: tensor_pb2.BlobRef, context: grpc.ServicerContext) -> Iterator[tensor_pb2.Chunk]:
         entry = self.state.blobs.get(request.sha256)
         if entry is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND, f"blob {request.sha256[:16]}… is not held (it belongs to a finished round)"
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "unknown",
+                grpc.StatusCode.NOT_FOUND,
+                f"blob {request.sha256[:16]!r}… is not held (it belongs to a finished round)",
             )
         bundle = entry[0]
         # A byte range, so an agent can fetch a large blob on concurrent streams (codec.fetch_ranges).
@@ -761,7 +987,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             self.state.accept(header, data, principal, sha256_optional)
         except Rejected as rejected:
             if not rejected.late:
-                self.state.count_rejection(header.task_id)
+                self.state.count_rejection(header.task_id, principal)
             if rejected.reason == "late":
                 telemetry.RESULTS_LATE.inc()
             else:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from aggregator_service.dp import round_events, run_budget
+from aggregator_service.dp import check_accountable, round_events, run_budget
 from aggregator_service.selection import SelectionContext, select_request, selection_input
 from clustering_service import SelectionOutput, StateStore, select
 from clustering_service.samplers import parse_method
@@ -239,6 +239,8 @@ class LocalPrivacy:
         self.run_ids: list[str] = []
 
     def start(self, run_id: str, config: ExperimentConfig) -> None:
+        if config.privacy.enabled:  # refuse an unaccountable run here, before round 1, naming the config fields
+            check_accountable(config)
         self.ledger.register_budget(run_budget(run_id, config))
         if run_id not in self.run_ids:
             self.run_ids.append(run_id)

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from aggregator_service.federation import AGENT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 
 DEFAULT_MAX_WORKERS = 64
-# Workers a long poll may never take: results, heartbeats, model fetches and run control always find one free.
+# Workers a long poll may never take: results, heartbeats, model fetches and run control always find one free. Of the
+# pool, fairfl.rpc.server_limits also keeps 1/16 free of every call (so calls over a limit are refused at once) and
+# lets one caller hold at most half of the rest (--max-in-flight).
 RESERVED_WORKERS = 16
 
 
@@ -60,7 +62,8 @@ def add_reliability_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(env("FAIRFL_AGGREGATOR_WORKERS", str(DEFAULT_MAX_WORKERS))),
         help=f"gRPC worker threads; up to this minus {RESERVED_WORKERS} agents wait in long polls at once, more "
-        "poll without waiting (env FAIRFL_AGGREGATOR_WORKERS)",
+        "poll without waiting; one caller may run half of the threads less 1/16 at once unless --max-in-flight "
+        "says otherwise (env FAIRFL_AGGREGATOR_WORKERS)",
     )
 
 

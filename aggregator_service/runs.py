@@ -13,6 +13,7 @@ import grpc
 
 from aggregator_service.checkpoint import CheckpointError, Loaded, load, run_directory
 from aggregator_service.engine import RoundEngine
+from fairfl import rpc
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
 from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import control_pb2, control_pb2_grpc
@@ -179,6 +180,9 @@ def _copy(status: control_pb2.RunStatus) -> control_pb2.RunStatus:
 
 
 class RunControlServicer(control_pb2_grpc.RunControlServicer):
+    """Its requests carry run ids, a config and a reason, no numbers. Every refusal is counted (rpc.refuse): an
+    unknown run as `unknown`, a config that does not parse as `malformed`, the others under their status code."""
+
     def __init__(self, manager: RunManager) -> None:
         self.manager = manager
 
@@ -186,41 +190,59 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
         try:
             config = experiment_from_yaml(request.experiment_yaml)
         except ConfigError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid experiment config: {err}")
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "malformed",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"invalid experiment config: {err}",
+            )
         try:
             return self.manager.start(config, request.run_id)
         except RunStartError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"run cannot start: {err}")
-        except RuntimeError as err:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            rpc.refuse(
+                context, SERVICE_NAME, "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT, f"run cannot start: {err}"
+            )
+        except RuntimeError as err:  # another run is active
+            rpc.refuse(context, SERVICE_NAME, "failed_precondition", grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except KeyError as err:  # the run id is taken
+            rpc.refuse(context, SERVICE_NAME, "already_exists", grpc.StatusCode.ALREADY_EXISTS, str(err.args[0]))
+
+    def _run(self, run_id: str, context: grpc.ServicerContext) -> _Run:
+        try:
+            return self.manager.get(run_id)
         except KeyError as err:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err.args[0]))
+            rpc.refuse(context, SERVICE_NAME, "unknown", grpc.StatusCode.NOT_FOUND, str(err.args[0]))
 
     def GetRun(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):
-        try:
-            return self.manager.status(request.run_id)
-        except KeyError as err:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        self._run(request.run_id, context)
+        return self.manager.status(request.run_id)
 
     def WatchRun(self, request: control_pb2.WatchRunRequest, context: grpc.ServicerContext):
-        try:
-            self.manager.get(request.run_id)
-        except KeyError as err:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        self._run(request.run_id, context)
         yield from self.manager.watch(request.run_id, context.is_active)
 
     def StopRun(self, request: control_pb2.StopRunRequest, context: grpc.ServicerContext):
-        try:
-            return self.manager.stop(request.run_id, request.reason)
-        except KeyError as err:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        self._run(request.run_id, context)
+        return self.manager.stop(request.run_id, request.reason[:1000])
 
     def FetchModel(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):
-        try:
-            run = self.manager.get(request.run_id)
-        except KeyError as err:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        run = self._run(request.run_id, context)
         engine = run.engine
+        if engine is None and run.status.state in TERMINAL:  # its engine was never built: there never will be a model
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "failed_precondition",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"run {request.run_id} ended without a model: {run.status.message[:300]}",
+            )
         if engine is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"run {request.run_id} has no model yet")
+            rpc.refuse(
+                context,
+                SERVICE_NAME,
+                "unavailable",
+                grpc.StatusCode.UNAVAILABLE,
+                f"run {request.run_id} has no model yet; retry in a moment",
+            )
         yield from engine.layout.encode(engine.params).chunks(CHUNK_BYTES)

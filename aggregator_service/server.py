@@ -31,11 +31,13 @@ from fairfl import telemetry, tls
 from fairfl.config import ExperimentConfig
 from fairfl.privacy import process_randomness
 from fairfl.rpc import (
+    IDLE_TIMEOUT_S,
     AccessPolicy,
     RunningServer,
     TransportSecurity,
     add_limit_arguments,
     add_transport_arguments,
+    check_limits,
     configure_logging,
     serve_until_signal,
     start_server,
@@ -120,9 +122,14 @@ class Aggregator:
         return SERVICE_NAMES
 
 
-def access_policy(rate: float = 200.0, burst: int = 1000, max_in_flight: int = 64) -> AccessPolicy:
+def access_policy(
+    rate: float = 200.0, burst: int = 1000, max_in_flight: int = 0, idle_timeout: float = IDLE_TIMEOUT_S
+) -> AccessPolicy:
     """Agents use the Federation API, services and operators (service certificates) RunControl. Every Federation
-    method but the long-poll is rate limited per caller; PollTasks waits by design and each agent holds one."""
+    method but the long-poll is rate limited per caller; PollTasks waits by design and each agent holds one. Every
+    call, PollTasks included, counts against the caller's `max_in_flight` (0: half of the pool, see
+    fairfl.rpc.server_limits; 30 of 64 workers): one agent runs at most 14 calls at once (client_agent.agent: a poll,
+    a heartbeat, 4 fetch streams, 8 result uploads), so agents sharing a certificate share that (docs/security.md)."""
     limited = ("Register", "Heartbeat", "GetRunSpec", "FetchBlob", "SubmitResult", "SubmitResults", "UploadResult")
     return AccessPolicy(
         roles={FEDERATION_SERVICE: frozenset({tls.ROLE_AGENT}), CONTROL_SERVICE: frozenset({tls.ROLE_SERVICE})},
@@ -130,6 +137,7 @@ def access_policy(rate: float = 200.0, burst: int = 1000, max_in_flight: int = 6
         rate=rate,
         burst=burst,
         max_in_flight=max_in_flight,
+        idle_timeout=idle_timeout,
     )
 
 
@@ -187,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     security = transport_from_args(parser, args)  # also the identity it dials clustering and privacy with
     metrics = telemetry.start_from_args(args, "aggregator")
-    policy = access_policy(args.rate_limit, args.rate_burst, args.max_in_flight)
+    policy = access_policy(args.rate_limit, args.rate_burst, args.max_in_flight, args.idle_timeout)
     options = options_from_args(parser, args)
+    check_limits(parser, policy, options.max_workers)
     running, aggregator = serve(args.bind, args.clustering, args.privacy, security, policy, args.health_bind, options)
     try:
         aggregator.resume_unfinished()

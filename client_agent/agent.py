@@ -8,6 +8,7 @@ aggregator restarts and network blips without losing its clients.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import logging
 import os
@@ -62,6 +63,9 @@ MAX_TASKS_PER_POLL = 64
 # several of latency for the default preset's 800 KB update. Bigger ones are streamed in chunks.
 UPLOAD_BYTES = CHUNK_BYTES
 STOP_GRACE_S = 10.0  # how long a stopping agent waits for its last result to be answered
+# A result call refused with RESOURCE_EXHAUSTED was turned away at the door (the caller's share of calls, the server's
+# capacity or the rate limit; docs/security.md) and nothing of it was accepted: it is sent again after these pauses.
+BUSY_RETRY_PAUSES_S = (0.05, 0.2, 0.8, 2.0)
 FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
 
 
@@ -80,6 +84,8 @@ class _Submission:
     headers: list[federation_pb2.ResultHeader] = field(default_factory=list)  # a batch's, once encoded
     # A result sent in one UploadResult call: kept to stream it instead if the aggregator lacks that call.
     upload: tuple[ClientResult, ClientRuntime] | None = None
+    reopen: Callable[[], Future[grpc.Future]] | None = None  # opens the same call again (after a busy refusal)
+    retries: int = 0
 
 
 def parse_client_ids(text: str) -> list[int]:
@@ -382,8 +388,25 @@ class Agent:
             or sum(s.payload_bytes for s in self._in_flight) + submission.payload_bytes > IN_FLIGHT_BYTES
         ):
             self._finish_oldest()
-        submission.opened = self._submitter.submit(opener, submission, *args)
+        submission.reopen = functools.partial(self._submitter.submit, opener, submission, *args)
+        submission.opened = submission.reopen()
         self._in_flight.append(submission)
+
+    def _retry_busy(self, submission: _Submission, err: grpc.RpcError) -> bool:
+        """Send a result again that the aggregator turned away as busy (RESOURCE_EXHAUSTED: refused before it was
+        read), after a pause; False once the pauses are used up. It is the next in flight to be answered."""
+        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or submission.retries >= len(BUSY_RETRY_PAUSES_S):
+            return False
+        assert submission.reopen is not None
+        pause = BUSY_RETRY_PAUSES_S[submission.retries]
+        submission.retries += 1
+        log.info(
+            "result for %s refused as busy (%s); sending it again in %.2fs", submission.task_id, err.details(), pause
+        )
+        time.sleep(pause)
+        submission.opened = submission.reopen()
+        self._in_flight.appendleft(submission)
+        return True
 
     def _open(self, submission: _Submission, result: ClientResult, runtime: ClientRuntime) -> grpc.Future:
         """On the submitting thread: encode the result and open its call."""
@@ -428,6 +451,8 @@ class Agent:
                 return
             if submission.upload is not None and err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._restream(submission)
+                return
+            if self._retry_busy(submission, err):
                 return
             log.warning("result for %s refused: %s %s", submission.task_id, err.code().name, err.details())
             for phase in phases:

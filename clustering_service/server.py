@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -13,10 +14,13 @@ from clustering_service.servicer import SERVICE_NAME, ClusteringServicer
 from clustering_service.state import StateStore
 from fairfl import telemetry, tls
 from fairfl.rpc import (
+    DEFAULT_WORKERS,
     AccessPolicy,
     RunningServer,
     TransportSecurity,
+    add_limit_arguments,
     add_transport_arguments,
+    check_limits,
     configure_logging,
     serve_until_signal,
     start_server,
@@ -40,8 +44,10 @@ def serve(
     client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT,
     security: TransportSecurity | None = None,
     health_bind: str = "",
+    policy: AccessPolicy = ACCESS,
 ) -> RunningServer:
-    """Start the Clustering service (plus health and reflection) on `bind`; port 0 picks a free port."""
+    """Start the Clustering service (plus health and reflection) on `bind`; port 0 picks a free port. `policy`: ACCESS
+    with the process's limits."""
     telemetry.enable("clustering")
     servicer = ClusteringServicer(store, client_limit)
 
@@ -49,7 +55,7 @@ def serve(
         clustering_pb2_grpc.add_ClusteringServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    return start_server(bind, register, security=security, policy=ACCESS, health_bind=health_bind)
+    return start_server(bind, register, security=security, policy=policy, health_bind=health_bind)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     telemetry.add_metrics_arguments(parser, client_limit=True)
     add_transport_arguments(parser)
+    add_limit_arguments(parser, rate=False)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     security = transport_from_args(parser, args)
+    policy = dataclasses.replace(ACCESS, max_in_flight=args.max_in_flight, idle_timeout=args.idle_timeout)
+    check_limits(parser, policy, DEFAULT_WORKERS)
     try:
         metrics = telemetry.start_from_args(args, "clustering")
         running = serve(
@@ -72,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             client_limit=args.metrics_client_limit,
             security=security,
             health_bind=args.health_bind,
+            policy=policy,
         )
     except (OSError, RuntimeError) as err:  # grpcio raises RuntimeError when the address cannot be bound
         log.error("cannot start the clustering service on %s: %s", args.bind, err)

@@ -7,6 +7,7 @@ are refused with the list of valid ones, so a typo never silently falls back to 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,10 +16,23 @@ from typing import Any, Literal
 
 import yaml
 
+from fairfl.privacy import (
+    COUNT_MAX,
+    DELTA_RANGE,
+    EPSILON_RANGE,
+    NOISE_MULTIPLIER_RANGE,
+    ORDER_MAX,
+    ORDERS_MAX,
+    SAMPLE_RATE_RANGE,
+    out_of_sound_range,
+)
+
 
 class ConfigError(ValueError):
     """An experiment config is invalid; the message names the field."""
 
+
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 DEFAULT_LOCAL_STEPS = 10
 DATASET_CLASSES = {"fashion_mnist": 10, "mnist": 10, "cifar10": 10, "synthetic": 10}
@@ -319,20 +333,34 @@ class PrivacyConfig:
     def validate(self, path: str) -> None:
         if not self.enabled:
             return
+        # The basic ranges first, then the accountant's sound range (fairfl.privacy), each naming the field.
         _positive(self.epsilon, f"{path}.epsilon")
+        _sound(self.epsilon, EPSILON_RANGE, f"{path}.epsilon")
         if not 0 < self.delta < 1:
             raise ConfigError(f"{path}.delta: must be in (0, 1), got {self.delta}")
+        _sound(self.delta, DELTA_RANGE, f"{path}.delta")
         if self.orders is not None:
             if self.accountant != "rdp":
                 raise ConfigError(f"{path}.orders: apply only to accountant rdp, not {self.accountant!r}")
+            if len(self.orders) > ORDERS_MAX:
+                raise ConfigError(f"{path}.orders: at most {ORDERS_MAX} orders, got {len(self.orders)}")
             for i, order in enumerate(self.orders):
                 if not 1 < order < float("inf"):
                     raise ConfigError(f"{path}.orders[{i}]: must be > 1 and finite, got {order}")
+                if order > ORDER_MAX:
+                    raise ConfigError(
+                        f"{path}.orders[{i}]: must be at most {ORDER_MAX:g} (each order α costs O(α) to account), "
+                        f"got {order}"
+                    )
         if not 0 < self.sample_rate <= 1:
             raise ConfigError(f"{path}.sample_rate: must be in (0, 1], got {self.sample_rate}")
+        _sound(self.sample_rate, SAMPLE_RATE_RANGE, f"{path}.sample_rate")
         _positive(self.noise_multiplier, f"{path}.noise_multiplier")
+        _sound(self.noise_multiplier, NOISE_MULTIPLIER_RANGE, f"{path}.noise_multiplier")
         _positive(self.clip_norm, f"{path}.clip_norm")
         _positive(self.loss_noise_multiplier, f"{path}.loss_noise_multiplier", allow_zero=True)
+        if self.loss_noise_multiplier > 0:  # 0: no loss release, nothing to account
+            _sound(self.loss_noise_multiplier, NOISE_MULTIPLIER_RANGE, f"{path}.loss_noise_multiplier")
         _positive(self.loss_clip_init, f"{path}.loss_clip_init")
         _positive(self.loss_clip_min, f"{path}.loss_clip_min")
         if self.loss_clip_min > self.loss_clip_init:
@@ -342,6 +370,15 @@ class PrivacyConfig:
         _at_least(self.fixed_batch, 1, f"{path}.fixed_batch")
         if self.mode == "joint_batch" and self.loss_noise_multiplier == 0:
             raise ConfigError(f"{path}.loss_noise_multiplier: mode joint_batch needs a loss release (σ_l > 0)")
+        if self.mode == "joint_batch" and self.principal == "client":
+            # The ledger accounts the shared batch with σ_eff = (σ⁻² + σ_l⁻²)^(-1/2) (aggregator_service/dp.py).
+            sigma_eff = (self.noise_multiplier**-2 + self.loss_noise_multiplier**-2) ** -0.5
+            why = out_of_sound_range(sigma_eff, NOISE_MULTIPLIER_RANGE)
+            if why is not None:
+                raise ConfigError(
+                    f"{path}.noise_multiplier: mode joint_batch accounts the shared batch with σ_eff = "
+                    f"(σ⁻² + σ_l⁻²)^(-1/2), which {why}; raise noise_multiplier or loss_noise_multiplier"
+                )
 
 
 @dataclass
@@ -402,6 +439,14 @@ class ExperimentConfig:
                 f"{', '.join(PRIVACY_STRATEGIES)}"
             )
         if p.principal == "federation":
+            # The ledger's q is clients_per_round / live candidates, at least clients_per_round / num_clients.
+            q = self.selection.clients_per_round / self.data.num_clients
+            if q < SAMPLE_RATE_RANGE[0]:
+                raise ConfigError(
+                    f"selection.clients_per_round: client-level DP samples q = {self.selection.clients_per_round} / "
+                    f"{self.data.num_clients} = {q:.3g} clients a round, below {SAMPLE_RATE_RANGE[0]:g}, the lowest "
+                    "sample rate the privacy accountant handles soundly"
+                )
             if name != "fedavg":
                 raise ConfigError(f"strategy.name: privacy.principal federation (DP-FedAvg) needs fedavg, got {name!r}")
             if self.strategy.params.get("server_momentum", 0):
@@ -417,6 +462,12 @@ class ExperimentConfig:
         if self.training.local_epochs is not None:
             raise ConfigError(
                 "training.local_epochs: DP-SGD counts Poisson-sampled steps; set training.local_steps instead"
+            )
+        steps = self.training.budget()[1]
+        if steps > COUNT_MAX:
+            raise ConfigError(
+                f"training.local_steps: {steps} DP-SGD steps a round exceed {COUNT_MAX}, the compositions the privacy "
+                "accountant handles soundly"
             )
         if name in ("fedfair", "qffl") and p.loss_noise_multiplier == 0:
             raise ConfigError(
@@ -443,6 +494,12 @@ def _at_least(value: int, minimum: int, path: str) -> None:
 def _positive(value: float, path: str, allow_zero: bool = False) -> None:
     if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
         raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'} and finite, got {value}")
+
+
+def _sound(value: float, bounds: tuple[float, float], path: str) -> None:
+    why = out_of_sound_range(value, bounds)
+    if why is not None:
+        raise ConfigError(f"{path}: {why}")
 
 
 def _coerce(value: Any, hint: Any, path: str) -> Any:
@@ -481,6 +538,9 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        # YAML 1.1 reads 1e-3 and 1.0e3 (no dot, or no exponent sign) as strings; whoever wrote them meant numbers.
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)

@@ -32,6 +32,10 @@ NAN = float("nan")
 # Limits on what a result header may carry besides the payload (which the model's layout bounds exactly).
 MAX_RESULT_METRICS = 64
 MAX_SIGNATURE_VALUES = 1 << 16  # bias update (one value per class) and activation vectors
+# Magnitude of any loss, metric or signature value: far beyond an honest one, and small enough that what strategies
+# compute from them (softmax(F/τ), q-FFL's F^q, sums over a round) stays finite: one forged value cannot fail a round.
+MAX_REPORTED_MAGNITUDE = 1e9
+MAX_NUM_SAMPLES = (1 << 31) - 1  # sample counts weight updates; a larger one is no client's local dataset
 
 
 @dataclass
@@ -218,9 +222,11 @@ class ResultAssembler:
         names = [m.name for m in header.metrics]
         if len(set(names)) != len(names):
             raise codec.CodecError("a metric name appears twice in the result header")
-        bad = [m.name[:64] for m in header.metrics if not math.isfinite(m.value)]
+        bad = [m.name[:64] for m in header.metrics if not abs(m.value) <= MAX_REPORTED_MAGNITUDE]
         if bad:  # strategies and the engine read them (local_steps, train_loss)
-            raise codec.CodecError(f"metrics {bad[:5]} are NaN or infinite", "non_finite")
+            raise codec.CodecError(
+                f"metrics {bad[:5]} are NaN, infinite or beyond ±{MAX_REPORTED_MAGNITUDE:g}", "non_finite"
+            )
         self.receiver = codec.PayloadReceiver(
             header.total_bytes,
             header.sha256,
@@ -279,21 +285,31 @@ def _as_float32(wire: torch.Tensor) -> torch.Tensor:
 
 def check_result(result: ClientResult) -> None:
     """Phase-specific sanity checks every transport applies, so a diverged or hostile client is refused alike."""
+    if result.num_samples > MAX_NUM_SAMPLES:
+        raise codec.CodecError(f"num_samples must be at most {MAX_NUM_SAMPLES}, got {result.num_samples}", "size")
     if result.phase in (TRAIN, PROBE):
         if result.num_samples < 1:
             raise codec.CodecError("num_samples must be >= 1 for a training or probe result")
         # NaN = withheld (DP training without plaintext telemetry); check_against_task says when a loss is owed.
         for name in ("loss_before", "loss_after"):
             value = getattr(result, name)
-            if math.isinf(value) or value < 0:
-                raise codec.CodecError(f"{name} must be a finite number >= 0, got {value}", "non_finite")
+            if not (math.isnan(value) or 0 <= value <= MAX_REPORTED_MAGNITUDE):
+                raise codec.CodecError(
+                    f"{name} must be a finite number >= 0 (at most {MAX_REPORTED_MAGNITUDE:g}), got {value}",
+                    "non_finite",
+                )
         if result.phase == PROBE and math.isnan(result.loss_before):
             raise codec.CodecError("loss_before must be a finite number >= 0 in a probe result, got nan")
     if result.phase == TRAIN:
         if UPDATE not in result.payloads:
             raise codec.CodecError("a training result must carry an UPDATE payload")
-        if math.isinf(result.noisy_loss):  # NaN = no loss released; a release is any finite number (noise may be < 0)
-            raise codec.CodecError(f"noisy_loss must be finite when released, got {result.noisy_loss}", "non_finite")
+        # NaN = no loss released; a release is any finite number (noise may make it < 0)
+        if not (math.isnan(result.noisy_loss) or abs(result.noisy_loss) <= MAX_REPORTED_MAGNITUDE):
+            raise codec.CodecError(
+                f"noisy_loss must be finite when released (at most ±{MAX_REPORTED_MAGNITUDE:g}), got "
+                f"{result.noisy_loss}",
+                "non_finite",
+            )
     if result.phase == PROBE and result.payloads.keys() - {GRADIENT}:
         raise codec.CodecError("a probe result may carry only a GRADIENT payload")
     if result.phase == EVALUATE:
@@ -301,8 +317,10 @@ def check_result(result: ClientResult) -> None:
             raise codec.CodecError("an evaluation result carries no tensor payload")
         if not 0.0 <= result.test_accuracy <= 100.0:
             raise codec.CodecError(f"test_accuracy must be a percentage in [0, 100], got {result.test_accuracy}")
-        if not math.isfinite(result.test_loss) or result.test_loss < 0:
-            raise codec.CodecError(f"test_loss must be a finite number >= 0, got {result.test_loss}")
+        if not 0 <= result.test_loss <= MAX_REPORTED_MAGNITUDE:  # NaN compares false
+            raise codec.CodecError(
+                f"test_loss must be a finite number >= 0 (at most {MAX_REPORTED_MAGNITUDE:g}), got {result.test_loss}"
+            )
         if result.num_samples < 1:
             raise codec.CodecError("num_samples must be >= 1 for an evaluation result")
 
@@ -358,6 +376,8 @@ def _small_vector(header: federation_pb2.ResultHeader, field_name: str) -> np.nd
     array = tensor.to(torch.float64).numpy().copy()
     if not np.isfinite(array).all():
         raise codec.CodecError(f"{field_name} contains NaN or infinite values", "non_finite")
+    if np.abs(array).max() > MAX_REPORTED_MAGNITUDE:
+        raise codec.CodecError(f"{field_name} has values beyond ±{MAX_REPORTED_MAGNITUDE:g}", "non_finite")
     return array
 
 

@@ -140,9 +140,11 @@ GRPC_SENT_BYTES = _counter(
 )
 REQUESTS_REFUSED = _counter(
     "requests_refused_total",
-    "Requests refused by an access, rate or input check, by gRPC service and reason (a fixed word: role, "
-    "rate_limited, concurrency, identity, replay, late, unknown, mismatch, integrity, non_finite, layout, size, "
-    "malformed). TLS handshakes refused for a missing or foreign certificate never become requests.",
+    "Requests refused, by gRPC service and reason (a fixed word: role, unauthenticated, rate_limited, concurrency, "
+    "capacity, idle, identity, replay, late, unknown, mismatch, integrity, non_finite, layout, size, malformed; any "
+    "other refusal a handler answers counts under its status code in lower case, e.g. not_found, invalid_argument, "
+    "failed_precondition, unavailable). TLS handshakes refused for a missing or foreign certificate never become "
+    "requests; unary calls with a message over gRPC core's own 8 MiB limit are not counted.",
     ["service", "reason"],
     on=GRPC_SERVERS,
 )
@@ -533,40 +535,52 @@ def _code_name(context: grpc.ServicerContext, failed: bool) -> str:
     return "UNKNOWN" if failed else "OK"
 
 
-class _Call:
-    """Book-keeping of one RPC: bytes as they pass, status and latency at the end."""
+class _MethodSeries:
+    """One method's series, looked up once: labels() takes a lock and builds a key on every call otherwise."""
+
+    __slots__ = ("handled", "latency", "method", "received", "sent", "service")
 
     def __init__(self, service: str, method: str) -> None:
         self.service, self.method = service, method
-        self.started = time.perf_counter()
+        self.latency = GRPC_LATENCY.labels(service, method)
         self.received = GRPC_RECEIVED_BYTES.labels(service, method)
         self.sent = GRPC_SENT_BYTES.labels(service, method)
+        self.handled: dict[str, Any] = {}  # status code name -> its GRPC_HANDLED child
 
-    def done(self, code: str) -> None:
-        GRPC_HANDLED.labels(self.service, self.method, code).inc()
-        GRPC_LATENCY.labels(self.service, self.method).observe(time.perf_counter() - self.started)
+    def done(self, code: str, started: float) -> None:
+        handled = self.handled.get(code)
+        if handled is None:
+            handled = self.handled[code] = GRPC_HANDLED.labels(self.service, self.method, code)
+        handled.inc()
+        self.latency.observe(time.perf_counter() - started)
 
     def count_in(self, messages: Iterator[Any]) -> Iterator[Any]:
+        received = self.received
         for message in messages:
-            self.received.inc(message.ByteSize())
+            received.inc(message.ByteSize())
             yield message
 
-    def respond(self, context: grpc.ServicerContext, run: Callable[[], Any]) -> Any:
+    def respond(self, context: grpc.ServicerContext, behavior: Callable[..., Any], request: Any) -> Any:
+        started = time.perf_counter()
         try:
-            response = run()
+            response = behavior(request, context)
         except BaseException:
-            self.done(_code_name(context, failed=True))
+            self.done(_code_name(context, failed=True), started)
             raise
-        self.done(_code_name(context, failed=False))
+        self.done(_code_name(context, failed=False), started)
         if response is not None:
             self.sent.inc(response.ByteSize())
         return response
 
-    def stream(self, context: grpc.ServicerContext, responses: Callable[[], Iterable[Any]]) -> Iterator[Any]:
+    def stream(
+        self, context: grpc.ServicerContext, behavior: Callable[..., Iterable[Any]], request: Any
+    ) -> Iterator[Any]:
+        started = time.perf_counter()
         code = "OK"
+        sent = self.sent
         try:
-            for response in responses():
-                self.sent.inc(response.ByteSize())
+            for response in behavior(request, context):
+                sent.inc(response.ByteSize())
                 yield response
             code = _code_name(context, failed=False)
         except GeneratorExit:  # the client went away mid-stream
@@ -576,14 +590,26 @@ class _Call:
             code = _code_name(context, failed=True)
             raise
         finally:
-            self.done(code)
+            self.done(code, started)
+
+
+def _same_pool(wrapper: Callable[..., Any], behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """`wrapper` served by the thread pool `behavior` asked for (grpcio's experimental_thread_pool), if any."""
+    pool = getattr(behavior, "experimental_thread_pool", None)
+    if pool is not None:
+        wrapper.__dict__["experimental_thread_pool"] = pool
+    return wrapper
 
 
 class GrpcMetricsInterceptor(grpc.ServerInterceptor):
     """Counts every RPC by (service, method, code), times it by (service, method) and counts message bytes.
 
-    Label values come from the registered method table and the finite status-code enum, so they stay bounded.
+    Label values come from the registered method table and the finite status-code enum, so they stay bounded. The
+    wrapped handler of each method is built once and reused while the inner handler stays the same object.
     """
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def intercept_service(
         self,
@@ -593,41 +619,46 @@ class GrpcMetricsInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED; its name is caller-chosen, so not a label
             return None
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        options = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            behavior_uu = handler.unary_unary
+        method = handler_call_details.method
+        cached = self.handlers.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        counted = _counted(handler, method)
+        self.handlers[method] = (handler, counted)  # bounded: only registered methods have a handler
+        return counted
 
-            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                call = _Call(service, method)
-                call.received.inc(request.ByteSize())
-                return call.respond(context, lambda: behavior_uu(request, context))
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, **options)
-        if handler.unary_stream is not None:
-            behavior_us = handler.unary_stream
+def _counted(handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+    """`handler` with its calls counted and timed in `full_method`'s series."""
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    series = _MethodSeries(service, method)
+    options = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        behavior_uu = handler.unary_unary
 
-            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                call = _Call(service, method)
-                call.received.inc(request.ByteSize())
-                return call.stream(context, lambda: behavior_us(request, context))
+        def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+            series.received.inc(request.ByteSize())
+            return series.respond(context, behavior_uu, request)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, **options)
-        if handler.stream_unary is not None:
-            behavior_su = handler.stream_unary
+        return grpc.unary_unary_rpc_method_handler(_same_pool(unary_unary, behavior_uu), **options)
+    if handler.unary_stream is not None:
+        behavior_us = handler.unary_stream
 
-            def stream_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                call = _Call(service, method)
-                return call.respond(context, lambda: behavior_su(call.count_in(requests), context))
+        def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            series.received.inc(request.ByteSize())
+            return series.stream(context, behavior_us, request)
 
-            return grpc.stream_unary_rpc_method_handler(stream_unary, **options)
-        behavior_ss = handler.stream_stream
+        return grpc.unary_stream_rpc_method_handler(_same_pool(unary_stream, behavior_us), **options)
+    if handler.stream_unary is not None:
+        behavior_su = handler.stream_unary
 
-        def stream_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            call = _Call(service, method)
-            return call.stream(context, lambda: behavior_ss(call.count_in(requests), context))
+        def stream_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return series.respond(context, behavior_su, series.count_in(requests))
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, **options)
+        return grpc.stream_unary_rpc_method_handler(_same_pool(stream_unary, behavior_su), **options)
+    behavior_ss = handler.stream_stream
+
+    def stream_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        return series.stream(context, behavior_ss, series.count_in(requests))
+
+    return grpc.stream_stream_rpc_method_handler(_same_pool(stream_stream, behavior_ss), **options)

@@ -3,18 +3,35 @@
 An event is `count` compositions of PoissonSampledDpEvent(q, GaussianDpEvent(σ)) with add/remove-one adjacency
 (seed-fedfdp §2.1); q == 1 is the plain Gaussian. No RDP formula is written here: per-step RDP curves come from
 dp_accounting's RdpAccountant and the RDP → (ε, δ) conversion from its `compute_epsilon`; PLD uses its PLDAccountant.
+
+dp_accounting is only trusted inside its sound range (fairfl.privacy: σ, q, compositions, δ, ε targets, orders), so
+every input is checked against it, and every ε on the way out: a non-trivial composition whose ε comes back 0,
+negative or not finite, or on which dp_accounting raises, is refused with UnsoundAccounting (a ValueError), and
+`cross_check` refuses events on which RDP and PLD disagree. Nothing may be recorded on a refused number.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
 import dp_accounting
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
+
+from fairfl.privacy import (
+    COUNT_MAX,
+    DELTA_RANGE,
+    EPSILON_RANGE,
+    NOISE_MULTIPLIER_RANGE,
+    ORDER_MAX,
+    ORDERS_MAX,
+    SAMPLE_RATE_RANGE,
+    out_of_sound_range,
+)
 
 AccountantName = Literal["rdp", "pld"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
@@ -26,6 +43,25 @@ PAPER_ORDERS: tuple[float, ...] = tuple(float(a) for a in [*range(2, 64), 128, 2
 
 # Upper bound for max_rounds when the per-round events spend nothing (or almost nothing).
 MAX_ROUNDS_LIMIT = 10**9
+# Compositions of one (q, σ) in a composed history (a principal's totals, a search's candidate): RDP composes linearly,
+# so only a 64-bit count (the ledger's SQLite column) bounds it; PLD is bounded by COUNT_MAX (_check_pld_counts).
+HISTORY_COUNT_MAX = 2**63 - 1
+
+# PLD's grid: dp_accounting's default 1e-4 up to ε = 10 (by RDP), coarser in proportion beyond. A convolution's cost
+# grows with the composed loss over the grid (q = 1, σ = 0.035: 16 s and GBs on 1e-4, 0.25 s scaled, same ε to 6
+# digits); rounding stays pessimistic, so PLD remains an upper bound.
+PLD_INTERVAL = 1e-4
+PLD_FINE_EPSILON = 10.0
+# The RDP/PLD cross-check: PLD (tight, discretised pessimistically) must stay within the RDP upper bound, up to
+# PLD's discretisation. Over q in [1e-6, 1], σ in [0.3, 1e4] and 1..1e4 compositions at δ = 1e-5, PLD on a 1e-3 grid
+# exceeded RDP by at most 0.054, and only where both are below 0.1 (σ >= 2); at the presets' settings PLD/RDP is
+# 0.53 (one FedFDP round) to 0.93.
+CROSS_CHECK_REL_TOL = 0.25
+CROSS_CHECK_ABS_TOL = 0.05
+CROSS_CHECK_PLD_INTERVAL = 1e-3  # 5x cheaper than 1e-4 and within 0.1% of it at those settings
+# What dp_accounting raises when its numerics fail (ZeroDivisionError, OverflowError, FloatingPointError; ValueError;
+# MemoryError when PLD asks for a grid it cannot allocate).
+_NUMERIC_ERRORS = (ArithmeticError, ValueError, MemoryError)
 
 
 class EventSpec(NamedTuple):
@@ -34,6 +70,11 @@ class EventSpec(NamedTuple):
     sample_rate: float
     noise_multiplier: float
     count: int = 1
+
+
+class UnsoundAccounting(ValueError):
+    """dp_accounting cannot account these events soundly: it raised, RDP and PLD disagree, or the ε of a non-trivial
+    composition came back 0, negative or not finite. Nothing may be recorded on such a number."""
 
 
 # --- validation -------------------------------------------------------------------------------------------------------
@@ -49,37 +90,47 @@ def check_finite(value: float, name: str) -> float:
     return value
 
 
+def _check_sound(value: float, name: str, bounds: tuple[float, float]) -> float:
+    why = out_of_sound_range(value, bounds)
+    if why is not None:
+        raise ValueError(f"{name} {why}")
+    return value
+
+
 def check_sample_rate(q: float, name: str = "sample_rate") -> float:
     q = check_finite(q, name)
     if not 0.0 < q <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {q!r}")
-    return q
+    return _check_sound(q, name, SAMPLE_RATE_RANGE)
 
 
 def check_noise_multiplier(sigma: float, name: str = "noise_multiplier") -> float:
     sigma = check_finite(sigma, name)
     if sigma <= 0.0:
         raise ValueError(f"{name} must be > 0 (σ = 0 means ε = ∞), got {sigma!r}")
-    return sigma
+    return _check_sound(sigma, name, NOISE_MULTIPLIER_RANGE)
 
 
 def check_delta(delta: float, name: str = "delta") -> float:
     delta = check_finite(delta, name)
     if not 0.0 < delta < 1.0:
         raise ValueError(f"{name} must be in (0, 1), got {delta!r}")
-    return delta
+    return _check_sound(delta, name, DELTA_RANGE)
 
 
 def check_epsilon(eps: float, name: str = "target_epsilon") -> float:
     eps = check_finite(eps, name)
     if eps <= 0.0:
         raise ValueError(f"{name} must be > 0, got {eps!r}")
-    return eps
+    return _check_sound(eps, name, EPSILON_RANGE)
 
 
-def check_count(count: int, name: str = "count") -> int:
+def check_count(count: int, name: str = "count", maximum: int = COUNT_MAX) -> int:
+    """An integer in [0, maximum]: by default the compositions one event or calibration may hold (COUNT_MAX)."""
     if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {count!r}")
+    if count > maximum:
+        raise ValueError(f"{name} must be at most {maximum} compositions (the accountant's sound range), got {count}")
     return int(count)
 
 
@@ -93,12 +144,20 @@ def check_orders(orders: Iterable[float] | None, name: str = "orders") -> tuple[
     """None (or empty) means the accountant's defaults; otherwise every order must be finite and > 1."""
     if orders is None:
         return None
+    orders = list(orders)
+    if len(orders) > ORDERS_MAX:
+        raise ValueError(f"{name} must hold at most {ORDERS_MAX} orders, got {len(orders)}")
     out = tuple(check_finite(a, name) for a in orders)
     if not out:
         return None
     bad = [a for a in out if a <= 1.0]
     if bad:
         raise ValueError(f"{name} must all be > 1, got {bad[0]!r}")
+    bad = [a for a in out if a > ORDER_MAX]
+    if bad:
+        raise ValueError(
+            f"{name} must all be at most {ORDER_MAX:g} (an order α costs O(α) terms to compute), got {bad[0]!r}"
+        )
     return out
 
 
@@ -110,10 +169,55 @@ def check_events(events: Iterable[EventSpec], name: str = "events") -> list[Even
             EventSpec(
                 check_sample_rate(q, f"{name}[{i}].sample_rate"),
                 check_noise_multiplier(sigma, f"{name}[{i}].noise_multiplier"),
-                check_count(count, f"{name}[{i}].count"),
+                check_count(count, f"{name}[{i}].count", HISTORY_COUNT_MAX),
             )
         )
     return out
+
+
+def _grouped(events: Iterable[EventSpec], name: str = "events") -> tuple[EventSpec, ...]:
+    return group_events(check_events(events, name))
+
+
+def _check_pld_counts(events: Sequence[EventSpec], name: str = "events") -> None:
+    """PLD's convolutions grow with the compositions (2 s at 1e6, 6 minutes at 1e8), so a merged (q, σ) may not
+    exceed COUNT_MAX under PLD either; RDP composes linearly and needs no such bound."""
+    for q, sigma, count in events:
+        if count > COUNT_MAX:
+            raise ValueError(
+                f"{name}: {count} compositions of (q={q:g}, σ={sigma:g}) exceed {COUNT_MAX}, what the PLD accountant "
+                "handles soundly"
+            )
+
+
+def _describe(events: Sequence[EventSpec]) -> str:
+    return " + ".join(f"{n} x (q={q:g}, σ={s:g})" for q, s, n in events) or "no events"
+
+
+@contextmanager
+def _numerics(what: str) -> Iterator[None]:
+    """dp_accounting's numeric failures become UnsoundAccounting, with what was being accounted."""
+    try:
+        yield
+    except UnsoundAccounting:
+        raise
+    except _NUMERIC_ERRORS as err:
+        raise UnsoundAccounting(
+            f"dp_accounting failed on {what} ({type(err).__name__}: {err}); these settings are outside what it "
+            "accounts soundly, nothing was recorded"
+        ) from err
+
+
+def _nonzero(eps: float, events: Sequence[EventSpec], accountant: str, delta: float) -> float:
+    """ε of a non-trivial composition (σ finite, q > 0, count > 0) is never 0: a 0, negative or non-finite ε is
+    dp_accounting's numerics collapsing, or a spend below what it can resolve, and is refused."""
+    if not math.isfinite(eps) or eps <= 0.0:
+        raise UnsoundAccounting(
+            f"the {accountant.upper()} accountant gives ε = {eps!r} for {_describe(events)} at δ = {delta:g}; a "
+            "non-trivial mechanism always spends some ε, so this is outside what the accountant resolves and nothing "
+            "was recorded: lower the noise multiplier, raise the sample rate, or compose more steps per round"
+        )
+    return eps
 
 
 # --- core -------------------------------------------------------------------------------------------------------------
@@ -137,7 +241,17 @@ def _single_event(q: float, sigma: float) -> dp_accounting.DpEvent:
 def _step_rdp(q: float, sigma: float, orders: tuple[float, ...]) -> np.ndarray:
     """RDP curve of one step. Composition is additive, so a principal's curve is Σ count · step curve; caching the
     step curve makes accounting O(distinct mechanisms) instead of recomputing the series for every query."""
-    curve = dp_accounting.rdp.RdpAccountant(list(orders)).compose(_single_event(q, sigma)).rdp
+    with _numerics(f"the RDP of one step (q={q:g}, σ={sigma:g})"):
+        curve = np.asarray(
+            dp_accounting.rdp.RdpAccountant(list(orders)).compose(_single_event(q, sigma)).rdp, dtype=np.float64
+        )
+    # A Rényi divergence is >= 0; dp_accounting's series cancel to negative values (which it turns into ε = 0) or
+    # NaN far outside the sound range.
+    if np.isnan(curve).any() or (curve < 0).any():
+        raise UnsoundAccounting(
+            f"dp_accounting's RDP of one step (q={q:g}, σ={sigma:g}) is negative or NaN at some order: its numerics "
+            "failed, so these settings cannot be accounted"
+        )
     curve.setflags(write=False)
     return curve
 
@@ -153,17 +267,29 @@ def _rdp_curve(events: Sequence[tuple[float, float, float]], orders: tuple[float
 def _rdp_epsilon(curve: np.ndarray, orders: tuple[float, ...], delta: float) -> tuple[float, float]:
     if not curve.any():
         return 0.0, math.nan
-    eps, order = rdp_privacy_accountant.compute_epsilon(orders, curve, delta)
+    with _numerics("the RDP to (ε, δ) conversion"):
+        eps, order = rdp_privacy_accountant.compute_epsilon(orders, curve, delta)
     return float(eps), float(order)
 
 
 @lru_cache(maxsize=1024)
-def _pld_epsilon(events: tuple[EventSpec, ...], delta: float) -> float:
+def _pld_epsilon(events: tuple[EventSpec, ...], delta: float, interval: float = PLD_INTERVAL) -> float:
     # PLD composition is a numerical convolution (~0.4 s); cached per grouped history, which principals often share.
-    acc = dp_accounting.pld.PLDAccountant()
-    for q, sigma, count in events:
-        acc.compose(dp_accounting.SelfComposedDpEvent(_single_event(q, sigma), count))
-    return float(acc.get_epsilon(delta))
+    with _numerics(f"the PLD of {_describe(events)}"):
+        acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=interval)
+        for q, sigma, count in events:
+            acc.compose(dp_accounting.SelfComposedDpEvent(_single_event(q, sigma), count))
+        return float(acc.get_epsilon(delta))
+
+
+def _pld(events: tuple[EventSpec, ...], delta: float, interval: float = PLD_INTERVAL) -> float:
+    """PLD ε on `interval`, coarsened in proportion to the RDP bound above PLD_FINE_EPSILON (bounded cost)."""
+    if not events:
+        return 0.0
+    rdp, _ = _rdp_epsilon(_rdp_curve(events, DEFAULT_ORDERS), DEFAULT_ORDERS, delta)
+    if not math.isfinite(rdp):
+        raise UnsoundAccounting(f"the RDP bound of {_describe(events)} is not finite: PLD cannot be sized for it")
+    return _pld_epsilon(events, delta, interval * max(1.0, rdp / PLD_FINE_EPSILON))
 
 
 def epsilon(
@@ -172,16 +298,49 @@ def epsilon(
     accountant: str = "rdp",
     orders: Iterable[float] | None = None,
 ) -> tuple[float, float]:
-    """(ε, optimal RDP order) spent by composing `events` at `delta`; the order is nan for PLD or no events."""
-    grouped = group_events(check_events(events))
+    """(ε, optimal RDP order) spent by composing `events` at `delta`; the order is nan for PLD or no events.
+
+    UnsoundAccounting when dp_accounting fails on the events or their ε is 0, negative or not finite."""
+    grouped = _grouped(events)
     delta = check_delta(delta)
     accountant = check_accountant(accountant)
     order_grid = check_orders(orders) or DEFAULT_ORDERS
     if not grouped:
         return 0.0, math.nan
     if accountant == "pld":
-        return _pld_epsilon(grouped, delta), math.nan
-    return _rdp_epsilon(_rdp_curve(grouped, order_grid), order_grid, delta)
+        _check_pld_counts(grouped)
+        return _nonzero(_pld(grouped, delta), grouped, "pld", delta), math.nan
+    eps, order = _rdp_epsilon(_rdp_curve(grouped, order_grid), order_grid, delta)
+    return _nonzero(eps, grouped, "rdp", delta), order
+
+
+@lru_cache(maxsize=1024)
+def _cross_check(events: tuple[EventSpec, ...], delta: float, orders: tuple[float, ...]) -> tuple[float, float]:
+    rdp, _ = _rdp_epsilon(_rdp_curve(events, orders), orders, delta)
+    _nonzero(rdp, events, "rdp", delta)
+    pld = _nonzero(_pld(events, delta, CROSS_CHECK_PLD_INTERVAL), events, "pld", delta)
+    if pld > rdp * (1 + CROSS_CHECK_REL_TOL) + CROSS_CHECK_ABS_TOL:
+        raise UnsoundAccounting(
+            f"RDP and PLD disagree on {_describe(events)} at δ = {delta:g}: PLD ε = {pld:.6g} exceeds the RDP upper "
+            f"bound ε = {rdp:.6g} by more than {CROSS_CHECK_REL_TOL:.0%} + {CROSS_CHECK_ABS_TOL:g}, so one of them "
+            "is failing numerically; nothing was recorded"
+        )
+    return rdp, pld
+
+
+def cross_check(
+    events: Iterable[EventSpec], delta: float, orders: Iterable[float] | None = None
+) -> tuple[float, float]:
+    """(RDP ε, PLD ε) of `events`, both finite and > 0 and PLD within the RDP upper bound (CROSS_CHECK_*), or
+    UnsoundAccounting. Cached by the grouped events: a run's rounds usually repeat one shape, so this costs one PLD
+    convolution (on a 1e-3 grid, 10-70 ms at the presets' settings) per shape."""
+    grouped = _grouped(events)
+    _check_pld_counts(grouped)
+    delta = check_delta(delta)
+    order_grid = check_orders(orders) or DEFAULT_ORDERS
+    if not grouped:
+        return 0.0, 0.0
+    return _cross_check(grouped, delta, order_grid)
 
 
 def max_rounds(
@@ -196,16 +355,23 @@ def max_rounds(
     """The largest integer T such that ε(already spent + T rounds of `per_round_events`) ≤ `target_eps`.
 
     Exact (ε is monotone in T): exponential search for a bracket, then integer binary search. Capped at `limit`
-    (reached when a round spends nothing). 0 when even the spent events alone exceed the target.
+    (reached when a round spends nothing) and, under PLD, where a (q, σ) would exceed COUNT_MAX compositions, so the
+    search is bounded for any input. 0 when even the spent events alone exceed the target.
     """
-    per_round = group_events(check_events(per_round_events, "per_round_events"))
-    spent = group_events(check_events(already_spent_events, "already_spent_events"))
+    per_round = _grouped(per_round_events, "per_round_events")
+    spent = _grouped(already_spent_events, "already_spent_events")
     target_eps = check_epsilon(target_eps)
     delta = check_delta(delta)
     accountant = check_accountant(accountant)
     order_grid = check_orders(orders) or DEFAULT_ORDERS
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit!r}")
+    if accountant == "pld":
+        _check_pld_counts(per_round, "per_round_events")
+        _check_pld_counts(spent, "already_spent_events")
+        if per_round:
+            spent_counts = {(q, s): n for q, s, n in spent}
+            limit = min(limit, *((COUNT_MAX - spent_counts.get((q, s), 0)) // n for q, s, n in per_round))
 
     if accountant == "rdp":
         base, step = _rdp_curve(spent, order_grid), _rdp_curve(per_round, order_grid)
@@ -215,11 +381,11 @@ def max_rounds(
     else:
 
         def eps_at(t: int) -> float:
-            return epsilon([*spent, *(EventSpec(q, s, n * t) for q, s, n in per_round)], delta, "pld")[0]
+            return _pld(group_events([*spent, *(EventSpec(q, s, n * t) for q, s, n in per_round)]), delta)
 
     if eps_at(0) > target_eps:
         return 0
-    if not per_round:
+    if not per_round or limit == 0:
         return limit
     ok, bad = 0, 1  # invariant: eps_at(ok) <= target < eps_at(bad) once a bracket is found
     while eps_at(bad) <= target_eps:
@@ -291,7 +457,8 @@ def calibrate_noise(
     ε is decreasing in σ: a doubling/halving search brackets the answer, then dp_accounting's
     `calibrate_dp_mechanism` (Brent's method with a bisection fallback) returns a σ on the safe side, ε(σ) ≤ target.
     `tol` defaults to 1e-6 for RDP and 1e-3 for PLD (each PLD evaluation costs ~0.4 s, and its own discretisation
-    error is of that order anyway).
+    error is of that order anyway). The search stays in the sound range of σ: the lower bound when it already meets
+    the target, ValueError when even the upper bound does not.
     """
     target_eps = check_epsilon(target_eps)
     delta = check_delta(delta)
@@ -306,32 +473,44 @@ def calibrate_noise(
     if not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol!r}")
 
-    def eps_at(sigma: float) -> float:
-        return epsilon([EventSpec(q, sigma, steps)], delta, accountant, order_grid)[0]
+    grid = order_grid or DEFAULT_ORDERS
+    sigma_min, sigma_max = NOISE_MULTIPLIER_RANGE
 
-    high = 1.0
+    def eps_at(sigma: float) -> float:
+        events = (EventSpec(q, sigma, steps),)
+        if accountant == "pld":
+            return _pld(events, delta)
+        return _rdp_epsilon(_rdp_curve(events, grid), grid, delta)[0]
+
+    if eps_at(sigma_max) > target_eps:
+        raise ValueError(
+            f"no noise multiplier in the accountant's sound range (σ <= {sigma_max:g}) reaches "
+            f"target_epsilon={target_eps!r} for {steps} steps at sample_rate={q!r}: raise the target or take fewer "
+            "steps"
+        )
+    if eps_at(sigma_min) <= target_eps:
+        return sigma_min
+    high = 1.0  # invariant once bracketed: eps_at(low) > target >= eps_at(high), low >= high / 2
     while eps_at(high) > target_eps:
-        high *= 2
-        if high > 1e6:
-            raise ValueError(f"no noise multiplier up to 1e6 reaches target_epsilon={target_eps!r}")
-    low = high / 2
-    while eps_at(low) <= target_eps:  # the answer may lie below 1
-        high, low = low, low / 2
-        if low < tol:
-            return high
+        high = min(high * 2, sigma_max)
+    low = max(high / 2, sigma_min)
+    while low > sigma_min and eps_at(low) <= target_eps:  # the answer may lie below 1
+        high, low = low, max(low / 2, sigma_min)
 
     def fresh_accountant() -> dp_accounting.PrivacyAccountant:
-        if accountant == "pld":
-            return dp_accounting.pld.PLDAccountant()
-        return dp_accounting.rdp.RdpAccountant(list(order_grid or DEFAULT_ORDERS))
+        if accountant == "pld":  # the grid `_pld` uses near the target
+            interval = PLD_INTERVAL * max(1.0, target_eps / PLD_FINE_EPSILON)
+            return dp_accounting.pld.PLDAccountant(value_discretization_interval=interval)
+        return dp_accounting.rdp.RdpAccountant(list(grid))
 
-    return float(
-        dp_accounting.calibrate_dp_mechanism(
-            fresh_accountant,
-            lambda sigma: dp_accounting.SelfComposedDpEvent(_single_event(q, sigma), steps),
-            target_eps,
-            delta,
-            dp_accounting.ExplicitBracketInterval(low, high),
-            tol=tol,
+    with _numerics(f"calibrating σ for {steps} steps at q={q:g}"):
+        return float(
+            dp_accounting.calibrate_dp_mechanism(
+                fresh_accountant,
+                lambda sigma: dp_accounting.SelfComposedDpEvent(_single_event(q, sigma), steps),
+                target_eps,
+                delta,
+                dp_accounting.ExplicitBracketInterval(low, high),
+                tol=tol,
+            )
         )
-    )

@@ -21,12 +21,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
+from fairfl.privacy import COUNT_MAX, EPSILON_RANGE
 from privacy_service import accountant as acc
 
 PRINCIPAL_KINDS: tuple[str, ...] = ("client", "federation", "none")
 MECHANISMS: tuple[str, ...] = ("gradient", "loss", "joint", "model")
-# Keeps SUM(count) far from SQLite's signed 64-bit limit even over millions of events.
-MAX_COUNT = 10**12
+# An event's compositions: the accountant's sound range, which also keeps SUM(count) far from SQLite's 64-bit limit.
+MAX_COUNT = COUNT_MAX
 MAX_ID_CHARS = 256
 _IN_CHUNK = 500  # principals per IN (...) list, well below SQLite's bound-parameter limit
 
@@ -163,6 +164,11 @@ class NotPrivateRun(LedgerError):
     """The query needs a private run, but the run was registered with principal kind 'none'."""
 
 
+class UnaccountableRun(LedgerError):
+    """The run's recorded events cannot be accounted (outside the accountant's sound range, e.g. recorded before it
+    was enforced): their ε cannot be stated."""
+
+
 class BudgetExceeded(LedgerError):
     def __init__(self, run_id: str, round_: int, principal: str, spent: float, target: float) -> None:
         super().__init__(
@@ -203,8 +209,12 @@ def validate_budget(budget: Budget) -> Budget:
     orders = acc.check_orders(budget.orders)
     if budget.private:
         eps, delta = acc.check_epsilon(budget.epsilon, "epsilon"), acc.check_delta(budget.delta)
-    else:  # a non-private run spends nothing, so ε and δ are informational only
+    else:  # a non-private run spends nothing, so ε and δ are informational only, but still sane numbers
         eps, delta = acc.check_finite(budget.epsilon, "epsilon"), acc.check_finite(budget.delta, "delta")
+        if not 0.0 <= eps <= EPSILON_RANGE[1]:
+            raise ValueError(f"epsilon of a non-private run must be in [0, {EPSILON_RANGE[1]:g}], got {eps!r}")
+        if not 0.0 <= delta < 1.0:
+            raise ValueError(f"delta of a non-private run must be in [0, 1), got {delta!r}")
     if orders is not None and budget.accountant != "rdp":
         raise ValueError("orders apply only to the RDP accountant; leave them empty for PLD")
     return dataclasses.replace(budget, epsilon=eps, delta=delta, orders=orders)
@@ -249,6 +259,17 @@ def _signature(history: History) -> tuple[acc.EventSpec, ...]:
     return acc.group_events(acc.EventSpec(q, s, n) for (q, s), n in history.items())
 
 
+def _cross_check(budget: Budget, events: Sequence[Event]) -> None:
+    """RDP against PLD on each principal's events of the round (acc.cross_check, cached by their shape); raises
+    acc.UnsoundAccounting on a disagreement or a zero ε. Principals of a round usually share one shape."""
+    rounds: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for e in events:
+        rounds[e.principal].append((e.sample_rate, e.noise_multiplier, e.count))
+    orders = budget.orders if budget.accountant == "rdp" else None
+    for shape in {tuple(spec) for spec in rounds.values()}:
+        acc.cross_check([acc.EventSpec(*e) for e in shape], budget.delta, orders)
+
+
 def _epsilons(budget: Budget, histories: dict[str, History]) -> dict[str, tuple[float, float]]:
     """ε per principal; principals with identical histories (the common case) share one computation."""
     by_signature: dict[tuple[acc.EventSpec, ...], tuple[float, float]] = {}
@@ -281,7 +302,8 @@ class Ledger(abc.ABC):
         """Atomically check `events` against the budget and record them with the round.
 
         Identical replay -> replayed=True, nothing added. Different events for a recorded round -> RoundConflict.
-        Any principal over budget -> BudgetExceeded, nothing recorded."""
+        Any principal over budget -> BudgetExceeded, nothing recorded. Events outside the accountant's sound range,
+        or whose ε it cannot resolve (0, not finite, RDP and PLD disagreeing) -> ValueError, nothing recorded."""
 
     @abc.abstractmethod
     def spend(self, run_id: str, principal: str | None = None) -> list[PrincipalSpend]:
@@ -448,6 +470,7 @@ class SqliteLedger(Ledger):
             worst, (worst_eps, _) = max(spent.items(), key=lambda kv: (kv[1][0], kv[0]))
             if worst_eps > budget.epsilon:
                 raise BudgetExceeded(run_id, round_, worst, worst_eps, budget.epsilon)
+            _cross_check(budget, events)  # after the budget: a round it refuses needs no second accountant
             now = time.time()
             db.executemany(
                 "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -493,7 +516,10 @@ class SqliteLedger(Ledger):
             histories, n_events = self._histories(db, run_id, None if principal is None else [principal])
         if principal is not None and principal not in histories:
             return [PrincipalSpend(principal, 0.0, math.nan, 0)]
-        spent = _epsilons(budget, histories)
+        try:
+            spent = _epsilons(budget, histories)
+        except ValueError as err:  # only recorded events are accounted here: the ledger, not the request, is at fault
+            raise UnaccountableRun(f"run {run_id!r}: its recorded events cannot be accounted: {err}") from err
         return [PrincipalSpend(p, *spent[p], n_events[p]) for p in sorted(histories)]
 
     def rounds_recorded(self, run_id: str) -> int:
@@ -530,6 +556,9 @@ class SqliteLedger(Ledger):
             histories, _ = self._histories(db, run_id, groups)
         if not budget.private:
             raise NotPrivateRun(f"run {run_id!r} is non-private (principal_kind none): its rounds are not limited")
+        for spec in groups.values():  # a round authorize_round would refuse as unaccountable is refused here too
+            acc.epsilon(spec, budget.delta, budget.accountant, budget.orders)
+            acc.cross_check(spec, budget.delta, budget.orders if budget.accountant == "rdp" else None)
         return min(
             acc.max_rounds(
                 spec,

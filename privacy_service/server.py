@@ -13,10 +13,13 @@ import grpc
 
 from fairfl import telemetry, tls
 from fairfl.rpc import (
+    DEFAULT_WORKERS,
     AccessPolicy,
     RunningServer,
     TransportSecurity,
+    add_limit_arguments,
     add_transport_arguments,
+    check_limits,
     configure_logging,
     serve_until_signal,
     start_server,
@@ -54,8 +57,10 @@ def serve(
     client_limit: int = telemetry.DEFAULT_CLIENT_LIMIT,
     security: TransportSecurity | None = None,
     health_bind: str = "",
+    policy: AccessPolicy = ACCESS,
 ) -> PrivacyServer:
-    """Open (or create) the ledger at `db_path` and serve fairfl.v1.Privacy on `bind` ("host:port", port 0 = any)."""
+    """Open (or create) the ledger at `db_path` and serve fairfl.v1.Privacy on `bind` ("host:port", port 0 = any);
+    `policy`: ACCESS with the process's limits."""
     telemetry.enable("privacy")
     ledger = SqliteLedger(db_path)
 
@@ -64,7 +69,7 @@ def serve(
         return [SERVICE_NAME]
 
     try:
-        running = start_server(bind, register, security=security, policy=ACCESS, health_bind=health_bind)
+        running = start_server(bind, register, security=security, policy=policy, health_bind=health_bind)
     except BaseException:
         ledger.close()
         raise
@@ -74,6 +79,7 @@ def serve(
         health=running.health,
         health_server=running.health_server,
         health_port=running.health_port,
+        guard=running.guard,
         ledger=ledger,
     )
 
@@ -93,12 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default %(default)s)")
     telemetry.add_metrics_arguments(parser, client_limit=True)
     add_transport_arguments(parser)
+    add_limit_arguments(parser, rate=False)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     security = transport_from_args(parser, args)
+    policy = dataclasses.replace(ACCESS, max_in_flight=args.max_in_flight, idle_timeout=args.idle_timeout)
+    check_limits(parser, policy, DEFAULT_WORKERS)
     try:
         metrics = telemetry.start_from_args(args, "privacy")
-        running = serve(args.bind, args.db, args.metrics_client_limit, security, args.health_bind)
+        running = serve(args.bind, args.db, args.metrics_client_limit, security, args.health_bind, policy)
     except Exception as err:  # unusable address or ledger file: say so instead of a traceback
         log.error("cannot start the privacy service: %s", err)
         return 1

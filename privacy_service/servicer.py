@@ -25,6 +25,7 @@ from privacy_service.ledger import (
     LedgerError,
     NotPrivateRun,
     RoundConflict,
+    UnaccountableRun,
     UnknownRun,
 )
 from privacy_service.monitoring import PrivacyMetrics
@@ -55,7 +56,11 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (BudgetConflict, grpc.StatusCode.ALREADY_EXISTS),
     (RoundConflict, grpc.StatusCode.ALREADY_EXISTS),
     (NotPrivateRun, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnaccountableRun, grpc.StatusCode.FAILED_PRECONDITION),
+    # Out-of-range fields, and events the accountant cannot account (acc.UnsoundAccounting: its numerics failing, ε = 0,
+    # RDP and PLD disagreeing): the request's values are the cause, and nothing was recorded.
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ArithmeticError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -68,10 +73,16 @@ def _statuses(method: F) -> F:
     def wrapper(self: PrivacyServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except (LedgerError, ValueError) as err:
+        except (LedgerError, ValueError, ArithmeticError) as err:
             code = next(c for cls, c in _STATUS if isinstance(err, cls))
             log.info("%s refused (%s): %s", method.__name__, code.name, err)
-            abort(context, code, str(err))
+            message = str(err)
+            if isinstance(err, ArithmeticError):  # escaped the accountant's own mapping: still the inputs' fault
+                message = (
+                    f"privacy accounting failed numerically ({type(err).__name__}: {err}); nothing was recorded: keep "
+                    "noise multipliers, sample rates and counts within the accountant's sound range (docs/security.md)"
+                )
+            abort(context, code, message)
         except sqlite3.OperationalError as err:  # locked or unreachable ledger file: transient, and rolled back
             log.warning("%s: ledger unavailable: %s", method.__name__, err)
             abort(

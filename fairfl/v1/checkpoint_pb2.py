@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fairfl.v1 import tensor_pb2 as fairfl_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61irfl/v1/checkpoint.proto\x12\tfairfl.v1\x1a\x16\x66\x61irfl/v1/tensor.proto\"?\n\x0bStateTensor\x12!\n\x06tensor\x18\x01 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\r\n\x05numpy\x18\x02 \x01(\x08\"\x9d\x02\n\nCheckpoint\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x17\n\x0f\x65xperiment_yaml\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\r\x12 \n\x05model\x18\x05 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x12\n\nstate_json\x18\x06 \x01(\t\x12\'\n\x07tensors\x18\x07 \x03(\x0b\x32\x16.fairfl.v1.StateTensor\x12\x0e\n\x06\x65vents\x18\x08 \x01(\x04\x12\x12\n\nsaved_unix\x18\t \x01(\x01\x12\x10\n\x08\x66inished\x18\n \x01(\x08\x12\x13\n\x0b\x66inal_state\x18\x0b \x01(\t\x12\x15\n\rfinal_message\x18\x0c \x01(\t\"Y\n\x0cPendingRound\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x10\n\x08selected\x18\x03 \x03(\r\x12\x12\n\npopulation\x18\x04 \x01(\rJ\x04\x08\x05\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61irfl/v1/checkpoint.proto\x12\tfairfl.v1\x1a\x16\x66\x61irfl/v1/tensor.proto\"?\n\x0bStateTensor\x12!\n\x06tensor\x18\x01 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\r\n\x05numpy\x18\x02 \x01(\x08\"\xb2\x02\n\nCheckpoint\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x17\n\x0f\x65xperiment_yaml\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\r\x12 \n\x05model\x18\x05 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x12\n\nstate_json\x18\x06 \x01(\t\x12\'\n\x07tensors\x18\x07 \x03(\x0b\x32\x16.fairfl.v1.StateTensor\x12\x0e\n\x06\x65vents\x18\x08 \x01(\x04\x12\x12\n\nsaved_unix\x18\t \x01(\x01\x12\x10\n\x08\x66inished\x18\n \x01(\x08\x12\x13\n\x0b\x66inal_state\x18\x0b \x01(\t\x12\x15\n\rfinal_message\x18\x0c \x01(\t\x12\x13\n\x0btask_id_key\x18\r \x01(\x0c\"Y\n\x0cPendingRound\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x10\n\x08selected\x18\x03 \x03(\r\x12\x12\n\npopulation\x18\x04 \x01(\rJ\x04\x08\x05\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATETENSOR']._serialized_start=65
   _globals['_STATETENSOR']._serialized_end=128
   _globals['_CHECKPOINT']._serialized_start=131
-  _globals['_CHECKPOINT']._serialized_end=416
-  _globals['_PENDINGROUND']._serialized_start=418
-  _globals['_PENDINGROUND']._serialized_end=507
+  _globals['_CHECKPOINT']._serialized_end=437
+  _globals['_PENDINGROUND']._serialized_start=439
+  _globals['_PENDINGROUND']._serialized_end=528
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ class StateTensor(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., numpy: _Optional[bool] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("format_version", "run_id", "experiment_yaml", "round", "model", "state_json", "tensors", "events", "saved_unix", "finished", "final_state", "final_message")
+    __slots__ = ("format_version", "run_id", "experiment_yaml", "round", "model", "state_json", "tensors", "events", "saved_unix", "finished", "final_state", "final_message", "task_id_key")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EXPERIMENT_YAML_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Checkpoint(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINAL_STATE_FIELD_NUMBER: _ClassVar[int]
     FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_KEY_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     run_id: str
     experiment_yaml: str
@@ -41,7 +42,8 @@ class Checkpoint(_message.Message):
     finished: bool
     final_state: str
     final_message: str
-    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., experiment_yaml: _Optional[str] = ..., round: _Optional[int] = ..., model: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[StateTensor, _Mapping]]] = ..., events: _Optional[int] = ..., saved_unix: _Optional[float] = ..., finished: _Optional[bool] = ..., final_state: _Optional[str] = ..., final_message: _Optional[str] = ...) -> None: ...
+    task_id_key: bytes
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., experiment_yaml: _Optional[str] = ..., round: _Optional[int] = ..., model: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., state_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[StateTensor, _Mapping]]] = ..., events: _Optional[int] = ..., saved_unix: _Optional[float] = ..., finished: _Optional[bool] = ..., final_state: _Optional[str] = ..., final_message: _Optional[str] = ..., task_id_key: _Optional[bytes] = ...) -> None: ...
 
 class PendingRound(_message.Message):
     __slots__ = ("run_id", "round", "selected", "population")

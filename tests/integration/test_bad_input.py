@@ -180,7 +180,7 @@ def other_agent(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
 
 
 def anonymous_agent(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
-    # Task ids are predictable (run/rR/pP/cC); a caller that omits agent_id must not pass as the client's agent.
+    # A certificate may run many agents (both agents here share one): omitting agent_id must not pass as the client's.
     return ctx.edited(lambda h: h.ClearField("agent_id"))
 
 
@@ -193,7 +193,7 @@ def wrong_phase(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
 
 
 def unknown_task(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
-    # A well-formed id of a task that was never issued (a future round).
+    # An id of a task that was never issued (what ids looked like before they became keyed MACs).
     return ctx.edited(lambda h: setattr(h, "task_id", f"{RUN_ID}/r9/p0/c{ctx.task.client_id}"))
 
 

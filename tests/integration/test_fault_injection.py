@@ -17,10 +17,11 @@ import torch
 from client_agent.faults import DropPlan
 from fairfl.cli import follow_run
 from fairfl.config import ExperimentConfig, experiment_from_dict
-from fairfl.launcher import LocalCluster
+from fairfl.launcher import Child, LocalCluster
 from fairfl.privacy import RANDOMNESS_ENV
 from fairfl.results import RunRecorder
 from fairfl.v1 import control_pb2, control_pb2_grpc
+from tests.federation_support import metric, start_aggregator
 from tests.integration.test_grpc_equivalence import fetch_model, oracle
 from tests.integration.test_privacy_dp import dp_config, spend, uninterrupted_epsilon
 
@@ -264,3 +265,53 @@ def test_a_third_of_the_selected_clients_dropping_every_round(tmp_path: Path) ->
     assert re.search(r"clients evaluated\s+14\b", table) and re.search(r"clients missing\s+6\b", table)
     assert recorder.summary()["final_fairness"]["missing_clients"] == 6
     assert not torch.isnan(torch.tensor(evaluated[-1].fairness.mean))
+
+
+def _models_received(agent: Child) -> float:
+    """Models the agent received (with a poll reply or fetched): one per round it took tasks in."""
+    name = "fairfl_agent_model_fetches_total"
+    return metric(agent, name, cache="inline") + metric(agent, name, cache="miss")
+
+
+@pytest.mark.integration
+def test_an_agent_killed_mid_round_gets_its_tasks_again_when_it_restarts(tmp_path: Path) -> None:
+    """SIGKILL an agent while it trains its tasks of a round and start it again (same name and certificate): the tasks
+    it had taken are sent to its new registration, so the round completes long before its 120 s deadline instead of
+    failing at it (issue #18)."""
+    config = _config(
+        rounds=2,
+        training={"local_steps": 800, "batch_size": 32, "lr": 0.05},  # ~0.5 s a task: time to kill one mid-round
+        model={"name": "mlp", "hidden": [64]},
+        selection={"method": "full", "clients_per_round": 8},
+        evaluation={"every": 1000},
+        runtime={"round_timeout_s": 120},
+    )
+    # Liveness long enough that the restarted agent is back before its old registration counts as vanished.
+    liveness = ["--heartbeat-interval", "0.3", "--agent-timeout", "60"]
+    with LocalCluster(tmp_path / "logs") as cluster:
+        aggregator = start_aggregator(cluster, args=liveness)  # selection and privacy in-process: a faster start
+        _, agent = cluster.start_agents(aggregator.address, 8, 2, "cpu", 1)  # agent-1: clients 4-7
+        with cluster.open_channel(aggregator.address) as channel:
+            control = control_pb2_grpc.RunControlStub(channel)
+            start = control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id="crashed")
+            control.StartRun(start, timeout=30)
+            watcher = Watcher(control, "crashed")
+            watcher.wait_for("round 1", lambda rounds: len(rounds) >= 1, timeout=120)
+            deadline = time.monotonic() + 30
+            while _models_received(agent) < 2:  # round 2's tasks reached agent-1: it is training them now
+                assert time.monotonic() < deadline, "agent-1 never got its tasks of round 2"
+                time.sleep(0.02)
+            time.sleep(0.3)
+            cluster.kill("agent-1")  # SIGKILL: the tasks it took die with it
+            assert len(watcher.rounds) == 1, "round 2 ended before the kill: the test proves nothing"
+            cluster.restart("agent-1")  # same name, certificate and clients
+            watcher.wait_for("round 2", lambda rounds: len(rounds) >= 2, timeout=40)
+            final = watcher.final()
+        log = aggregator.log_path.read_text()
+    assert final.state == control_pb2.RUN_STATE_COMPLETED, final.message
+    rounds = watcher.rounds
+    assert [r.round for r in rounds] == [1, 2]
+    second = rounds[1]
+    assert second.results_accepted == 8 and len(second.aggregation_weights) == 8, "the round lost agent-1's clients"
+    assert second.duration_seconds < 30, f"round 2 took {second.duration_seconds:.1f}s: it waited for its deadline"
+    assert "phase closed without results" not in log

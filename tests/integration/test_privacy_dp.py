@@ -3,7 +3,11 @@ file; and the distributed DP path against the in-process oracle (seeded DP rando
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +16,8 @@ import pytest
 import torch
 
 from aggregator_service.dp import round_events
-from fairfl.config import ExperimentConfig, experiment_from_dict
+from aggregator_service.peers import LocalPrivacy
+from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
 from fairfl.launcher import LocalCluster
 from fairfl.privacy import RANDOMNESS_ENV
 from fairfl.rpc import TransportSecurity, open_channel
@@ -20,6 +25,7 @@ from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_gr
 from privacy_service import accountant
 
 ROUNDS = 8
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dp_config(rounds: int = ROUNDS, **privacy: Any) -> ExperimentConfig:
@@ -154,3 +160,46 @@ def test_dp_run_over_grpc_matches_inprocess(tmp_path: Path, monkeypatch: pytest.
         assert got_metrics["global_loss"] == pytest.approx(want_metrics["global_loss"], abs=1e-6)
     assert float((params - expected).abs().max()) <= 1e-6
     assert not torch.equal(expected, torch.zeros_like(expected))
+
+
+# --- the sound range (issue #18): refused before round 1 --------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("transport", "sigma"), [("inprocess", "1.0e-156"), ("grpc", "1.0e-156"), ("inprocess", "1.0e+300")]
+)
+def test_cli_refuses_a_noise_multiplier_outside_the_sound_range(transport: str, sigma: str, tmp_path: Path) -> None:
+    """The issue's reproduction: this run used to complete with epsilon_spent 0 (σ = 1e-156) or end in INTERNAL."""
+    sets = [f"privacy.noise_multiplier={sigma}", f"privacy.loss_noise_multiplier={sigma}", "privacy.epsilon=1.0"]
+    command = [sys.executable, "-m", "fairfl.cli", "run", "experiments/quickstart.yaml", "--transport", transport]
+    command += ["--rounds", "2", "--output", str(tmp_path / "run"), "--set", "privacy.enabled=true"]
+    for s in sets:
+        command += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout
+    assert "privacy.noise_multiplier: must be in [0.3, 10000]" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "run").exists()  # refused at load: nothing started, nothing written
+
+
+def test_in_process_ledger_refuses_an_unaccountable_run_before_round_1() -> None:
+    """A config built without loading (so without its validation) still meets the sound range at LocalPrivacy.start,
+    as does one inside the range whose rounds the accountant cannot resolve (ε = 0)."""
+    config = dp_config()
+    privacy = LocalPrivacy()
+    bad_sigma = dataclasses.replace(config, privacy=dataclasses.replace(config.privacy, noise_multiplier=1e-156))
+    with pytest.raises(ConfigError, match=r"^privacy\.noise_multiplier: must be in \[0\.3, 10000\]"):
+        privacy.start("bad-sigma", bad_sigma)
+    unresolved = dataclasses.replace(
+        config,
+        privacy=dataclasses.replace(
+            config.privacy, noise_multiplier=9000.0, loss_noise_multiplier=9000.0, sample_rate=0.001
+        ),
+    )
+    with pytest.raises(ConfigError, match=r"^privacy\.noise_multiplier, privacy\.sample_rate.*ε = 0\.0"):
+        privacy.start("unresolved", unresolved)
+    assert privacy.run_ids == []  # no budget was registered for either
+    privacy.start("fine", config)
+    assert privacy.authorize_round("fine", 1, config, [0, 1], config.data.num_clients) > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import selectors
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -221,3 +222,86 @@ def test_sigkill_mid_run_loses_nothing_and_counts_nothing_twice(
     replay = authorize(stub, "crash", failed)
     assert replay.granted and replay.replayed and replay.max_epsilon == pytest.approx(expected, abs=1e-12)
     assert stub.GetSpend(pb.GetSpendRequest(run_id="crash"), timeout=10) == spend
+
+
+# --- the sound range (issue #18) --------------------------------------------------------------------------------------
+
+
+def hostile_requests() -> list[tuple[str, object, str]]:
+    """(method, request, field the refusal must name): the hostile tester's values against every numeric field."""
+
+    def event(**kw: object) -> pb.PrivacyEvent:
+        fields = {"principal": "c0", "mechanism": pb.MECHANISM_GRADIENT, "sample_rate": 0.05, "noise_multiplier": 2.0}
+        return pb.PrivacyEvent(**{"count": 1, **fields, **kw})  # type: ignore[arg-type]
+
+    def authorize(**kw: object) -> pb.AuthorizeRoundRequest:
+        return pb.AuthorizeRoundRequest(run_id="hostile", round=1, events=[event(**kw)])
+
+    def remaining(**kw: object) -> pb.RemainingRoundsRequest:
+        return pb.RemainingRoundsRequest(run_id="hostile", principal="c0", per_round=[event(principal="", **kw)])
+
+    def calibrate(**kw: object) -> pb.CalibrateNoiseRequest:
+        return pb.CalibrateNoiseRequest(
+            **{"target_epsilon": 1.0, "delta": DELTA, "sample_rate": 0.05, "steps": 10, **kw}
+        )
+
+    def register(**kw: object) -> pb.RegisterBudgetRequest:
+        fields = {"run_id": "other", "epsilon": 1.0, "delta": DELTA, "principal_kind": pb.PRINCIPAL_KIND_CLIENT}
+        return pb.RegisterBudgetRequest(**{**fields, **kw})  # type: ignore[arg-type]
+
+    nan, inf = float("nan"), float("inf")
+    requests: list[tuple[str, object, str]] = []
+    for sigma in (1e-156, 1e-300, 1e300, nan, inf, -inf, 0.0):
+        requests += [
+            ("AuthorizeRound", authorize(noise_multiplier=sigma), "events[0].noise_multiplier"),
+            ("RemainingRounds", remaining(noise_multiplier=sigma), "per_round[0].noise_multiplier"),
+        ]
+    for q in (1e-300, nan, -inf, 2.0):
+        requests += [
+            ("AuthorizeRound", authorize(sample_rate=q), "events[0].sample_rate"),
+            ("RemainingRounds", remaining(sample_rate=q), "per_round[0].sample_rate"),
+            ("CalibrateNoise", calibrate(sample_rate=q), "sample_rate"),
+        ]
+    requests += [
+        ("AuthorizeRound", authorize(count=2**64 - 1), "events[0].count"),
+        ("AuthorizeRound", authorize(sample_rate=0.001, noise_multiplier=9000.0, count=11), "ε = 0.0"),
+        ("CalibrateNoise", calibrate(steps=2**64 - 1), "steps"),
+    ]
+    for value in (1e-300, 1e300, nan, inf, -1.0):
+        requests += [
+            ("RegisterBudget", register(epsilon=value), "epsilon"),
+            ("RegisterBudget", register(delta=value), "delta"),
+            ("RegisterBudget", register(orders=[2.0, value]), "orders"),
+            ("CalibrateNoise", calibrate(target_epsilon=value), "target_epsilon"),
+            ("CalibrateNoise", calibrate(delta=value), "delta"),
+        ]
+    return requests
+
+
+def test_hostile_numbers_are_refused_and_the_ledger_is_unchanged(
+    start: Callable[[Path], Service], tmp_path: Path
+) -> None:
+    db = tmp_path / "ledger.sqlite"
+    service = start(db)
+    stub = service.stub
+    stub.RegisterBudget(
+        pb.RegisterBudgetRequest(run_id="hostile", epsilon=3.52, delta=DELTA, principal_kind=pb.PRINCIPAL_KIND_CLIENT),
+        timeout=10,
+    )
+    authorize(stub, "hostile", 0)
+    before = stub.GetSpend(pb.GetSpendRequest(run_id="hostile"), timeout=10)
+
+    def tables() -> list[list[tuple[object, ...]]]:
+        with sqlite3.connect(db) as conn:
+            return [conn.execute(f"SELECT * FROM {t} ORDER BY 1, 2, 3").fetchall() for t in ("budgets", "events")]
+
+    on_disk = tables()
+    for method, request, field in hostile_requests():
+        code, msg = code_of(lambda: getattr(stub, method)(request, timeout=30))  # noqa: B023 (called at once)
+        assert code == Code.INVALID_ARGUMENT, (method, request, code, msg)
+        assert field in msg, (method, request, msg)
+    assert stub.GetSpend(pb.GetSpendRequest(run_id="hostile"), timeout=10) == before
+    assert tables() == on_disk
+    assert code_of(lambda: stub.GetSpend(pb.GetSpendRequest(run_id="other"), timeout=10))[0] == Code.NOT_FOUND
+    assert "Traceback" not in (tmp_path / "service-0.log").read_text()  # every refusal was expected, none INTERNAL
+    assert service.kill(signal.SIGTERM) == 0

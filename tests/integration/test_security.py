@@ -3,14 +3,16 @@
 An aggregator, a privacy and a clustering service run as OS processes speaking mutual TLS with certificates of one
 ephemeral CA (fairfl.launcher). The test plays two agents, A (clients 0-1) and B (clients 2-3), each with its own agent
 certificate, and an operator with a service certificate. While round 1's training tasks are open it attacks: callers
-without a certificate, with one from another CA, or in plaintext; B acting for A's client or agent id; agents calling
-the internal APIs; a service identity posing as an agent. Then A's correct result is accepted once and its replays are
-refused. Every refusal must carry the expected status and message, be counted by reason, and change nothing: the run's
-state and model stay as they were, and the finished run's model equals the in-process oracle's.
+without a certificate, with one from another CA, or in plaintext; B acting for A's client or agent id, and guessing A's
+task id; agents calling the internal APIs; a service identity posing as an agent. Then A's correct result is accepted
+once and its replays are refused. Every refusal must carry the expected status and message, be counted by reason, and
+change nothing: the run's state and model stay as they were, B's attempts do not count against A's round, and the
+finished run's model equals the in-process oracle's.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,17 +77,20 @@ EXPECTED: dict[str, tuple[Code, list[str]]] = {
         Code.PERMISSION_DENIED,
         [f"{FEDERATION} accepts only agent identities", "service certificate 'operator'"],
     ),
-    "result_under_another_agents_id": (Code.PERMISSION_DENIED, ["registered with another certificate"]),
-    "result_for_another_client": (Code.PERMISSION_DENIED, ["client 0 is hosted by agent"]),
+    # A task B's certificate was not given is answered as one never issued (issue #18): the answer tells B nothing
+    # about A's tasks (formerly PERMISSION_DENIED, which told a selected client's task from an unselected one).
+    "result_under_another_agents_id": (Code.NOT_FOUND, ["unknown task", "it was never issued"]),
+    "result_for_another_client": (Code.NOT_FOUND, ["unknown task", "it was never issued"]),
+    "guessed_task_id": (Code.NOT_FOUND, ["unknown task", "it was never issued"]),
     "poll_another_agents_tasks": (Code.PERMISSION_DENIED, ["registered with another certificate", "poll tasks"]),
     "heartbeat_for_another_agent": (Code.PERMISSION_DENIED, ["registered with another certificate"]),
     "agent_stops_the_run": (Code.PERMISSION_DENIED, [f"{CONTROL} accepts only service identities", "'agent-a'"]),
     "agent_reads_the_run": (Code.PERMISSION_DENIED, [f"{CONTROL} accepts only service identities"]),
     "agent_reads_the_ledger": (Code.PERMISSION_DENIED, ["fairfl.v1.Privacy accepts only service identities"]),
     "agent_selects_clients": (Code.PERMISSION_DENIED, ["fairfl.v1.Clustering accepts only service identities"]),
-    # An accepted result sent again, by its agent or by another.
+    # An accepted result sent again, by its agent or by another (which was never given the task).
     "replay_by_its_agent": (Code.PERMISSION_DENIED, ["already accepted", "replay"]),
-    "replay_by_another_agent": (Code.PERMISSION_DENIED, ["already accepted", "replay"]),
+    "replay_by_another_agent": (Code.NOT_FOUND, ["unknown task", "it was never issued"]),
 }
 
 
@@ -110,6 +115,7 @@ class Observed:
     final_params: torch.Tensor
     refused: dict[tuple[str, str, str], float]  # (process, service, reason) -> fairfl_requests_refused_total
     service_controls: dict[str, Code]  # the same internal calls by a service identity
+    task_ids: list[str]  # of round 1's training tasks
 
     @property
     def rounds(self) -> list[control_pb2.RoundEvent]:
@@ -155,7 +161,7 @@ def _submit_with(address: str, credentials: grpc.ChannelCredentials | None, chun
 
 
 def _refusals(child: Child, service: str) -> dict[tuple[str, str, str], float]:
-    reasons = ("role", "identity", "replay", "rate_limited", "malformed", "unauthenticated")
+    reasons = ("role", "identity", "replay", "unknown", "rate_limited", "malformed", "unauthenticated")
     return {
         (child.name, service, r): metric(child, "fairfl_requests_refused_total", service=service, reason=r)
         for r in reasons
@@ -234,6 +240,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             record("result_under_another_agents_id", b.submit(chunks0))
             handled_forged = metric(aggregator, handled[0], **handled[1])
             record("result_for_another_client", b.submit(forged))
+            guessed = _as_agent(chunks0, b.agent_id)
+            guessed[0].header.task_id = f"{RUN_ID}/r1/p0/c0"  # what task ids used to be: run, round, phase, client
+            record("guessed_task_id", b.submit(guessed))
             poll = federation_pb2.PollRequest(agent_id=a.agent_id, max_tasks=16, wait_seconds=0)
             record("poll_another_agents_tasks", call(b.stub.PollTasks, poll))
             record(
@@ -293,6 +302,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             final_params,
             refused,
             service_controls,
+            [t.task_id for t in train_a + train_b],
         )
 
 
@@ -303,6 +313,19 @@ def test_refused_with_the_fitting_status(observed: Observed, case: str) -> None:
     assert got == code, f"{case}: {got.name} {details!r}, expected {code.name}"
     for needle in needles:
         assert needle in details, f"{case}: {details!r} lacks {needle!r}"
+
+
+def test_another_sites_task_is_answered_as_one_never_issued(observed: Observed) -> None:
+    """Task ids carry no structure to guess from, and B's answers for A's real task read as for an id nobody issued."""
+    assert len(set(observed.task_ids)) == 4
+    assert all(re.fullmatch(r"[0-9a-f]{32}", task_id) for task_id in observed.task_ids), observed.task_ids
+    (task_id,) = {d.split("'")[1] for c, (_, d) in observed.outcomes.items() if c.startswith("result_")}
+    answers = {
+        case: (code, details.replace(task_id, "<id>").replace(f"{RUN_ID}/r1/p0/c0", "<id>"))
+        for case, (code, details) in observed.outcomes.items()
+        if case in ("result_under_another_agents_id", "result_for_another_client", "guessed_task_id")
+    }
+    assert len(set(answers.values())) == 1, answers
 
 
 def test_handshake_refusals_never_reach_a_handler(observed: Observed) -> None:
@@ -329,6 +352,7 @@ def test_the_run_takes_exactly_the_honest_results(observed: Observed) -> None:
     (got,) = observed.rounds
     (want,) = observed.oracle_rounds
     assert got.results_accepted == 4 and list(got.selected) == list(want.selected)
+    assert got.results_rejected == 1, "only A's own replay counts: B's attempts on A's task must not weigh on it"
     assert got.model_sha256 == want.model_sha256, "an attack changed the aggregated model"
     assert float((observed.final_params - observed.oracle_params).abs().max()) <= 1e-6
 
@@ -336,10 +360,11 @@ def test_the_run_takes_exactly_the_honest_results(observed: Observed) -> None:
 def test_refusals_are_counted_by_reason(observed: Observed) -> None:
     counts = {key: value for key, value in observed.refused.items() if value}
     assert counts == {
-        # register for B's clients, result under A's agent id, result for A's client, poll and heartbeat as A
-        ("aggregator", FEDERATION, "identity"): 5,
+        ("aggregator", FEDERATION, "identity"): 3,  # register for A's client, poll and heartbeat as A
+        # results for A's task under A's and B's agent id, a guessed task id, a replay of A's result
+        ("aggregator", FEDERATION, "unknown"): 4,
         ("aggregator", FEDERATION, "role"): 1,  # the operator registering as an agent
-        ("aggregator", FEDERATION, "replay"): 2,
+        ("aggregator", FEDERATION, "replay"): 1,  # A's replay of its own result
         ("aggregator", CONTROL, "role"): 2,
         ("privacy", "fairfl.v1.Privacy", "role"): 1,
         ("clustering", "fairfl.v1.Clustering", "role"): 1,

@@ -130,6 +130,15 @@ def test_wrong_type_names_the_field(data: dict[str, Any], path: str, phrase: str
     assert phrase in message
 
 
+def test_numbers_yaml_1_1_reads_as_strings_are_numbers() -> None:
+    # YAML 1.1 (PyYAML) reads 1e-3 (no dot) and 1.0e3 (no exponent sign) as strings, in files and in --set alike.
+    text = "name: t\ntraining: {lr: 1e-1, momentum: 5e-1}\nstrategy: {server_lr: 1.0e0}\n"
+    assert isinstance(yaml.safe_load(text)["training"]["lr"], str)
+    config = experiment_from_yaml(text)
+    assert (config.training.lr, config.training.momentum, config.strategy.server_lr) == (0.1, 0.5, 1.0)
+    assert "expected a number, got '1e'" in error_of({"training": {"lr": "1e"}})  # not a number at all: still refused
+
+
 def test_top_level_must_be_a_mapping() -> None:
     assert "expected a mapping" in error_of([1, 2])
     with pytest.raises(ConfigError, match="expected a mapping"):
@@ -410,3 +419,64 @@ def test_agent_placement_is_replicated_unless_clients_run_dp_sgd() -> None:
         experiment_from_dict({**dp, "runtime": {"placement": "replicated"}})
     with pytest.raises(ConfigError, match="placement"):
         experiment_from_dict({"runtime": {"placement": "everywhere"}})
+
+
+# --- privacy: the accountant's sound range (issue #18) ----------------------------------------------------------------
+
+DP = {"strategy": {"name": "fedfair"}}  # fedfair: a strategy with a DP procedure
+
+
+def dp_error(**privacy: Any) -> str:
+    return error_of({**DP, "privacy": {"enabled": True, **privacy}})
+
+
+@pytest.mark.parametrize(
+    ("privacy", "message"),
+    [
+        # The issue's hostile tester: ε = 0 was reported and granted for σ = 1e-156; 1e-300 / 1e300 crashed the ledger.
+        ({"noise_multiplier": 1.0e-156}, "privacy.noise_multiplier: must be in [0.3, 10000]"),
+        ({"noise_multiplier": 1.0e-300}, "privacy.noise_multiplier: must be in [0.3, 10000]"),
+        ({"noise_multiplier": 1.0e300}, "privacy.noise_multiplier: must be in [0.3, 10000]"),
+        ({"loss_noise_multiplier": 1.0e-156}, "privacy.loss_noise_multiplier: must be in [0.3, 10000]"),
+        ({"sample_rate": 1.0e-300}, "privacy.sample_rate: must be in [1e-06, 1]"),
+        ({"delta": 1.0e-300}, "privacy.delta: must be in [1e-12, 0.01]"),
+        ({"delta": 0.5}, "privacy.delta: must be in [1e-12, 0.01]"),
+        ({"epsilon": 1.0e300}, "privacy.epsilon: must be in [0.001, 100]"),
+        ({"orders": [2.0, 1.0e300]}, "privacy.orders[1]: must be at most 10000"),
+        ({"orders": [2.0] * 257}, "privacy.orders: at most 256 orders"),
+        # joint_batch accounts σ_eff = (σ⁻² + σ_l⁻²)^(-1/2): 0.3 and 0.3 give 0.21, below the range.
+        ({"mode": "joint_batch", "noise_multiplier": 0.3, "loss_noise_multiplier": 0.3}, "privacy.noise_multiplier: "),
+    ],
+)
+def test_privacy_outside_the_accountants_sound_range_names_the_field(privacy: dict[str, Any], message: str) -> None:
+    error = dp_error(**privacy)
+    assert error.startswith(message), error
+    assert "the range the privacy accountant handles soundly" in error or "at most" in error
+
+
+def test_privacy_cross_section_sound_range() -> None:
+    many = {"data": {"num_clients": 10**7}, "selection": {"clients_per_round": 1}}
+    error = error_of({**many, "privacy": {"enabled": True, "principal": "federation"}})
+    assert error.startswith("selection.clients_per_round: client-level DP samples q = 1 / 10000000"), error
+    error = error_of({**DP, "training": {"local_steps": 10**6 + 1}, "privacy": {"enabled": True}})
+    assert error.startswith("training.local_steps: 1000001 DP-SGD steps a round exceed 1000000"), error
+
+
+def test_privacy_sound_range_bounds_and_no_loss_release_are_accepted() -> None:
+    cfg = experiment_from_dict(
+        {
+            "strategy": {"name": "fedavg"},
+            "privacy": {
+                "enabled": True,
+                "noise_multiplier": 0.3,
+                "loss_noise_multiplier": 0.0,  # 0: no loss release, nothing to account
+                "sample_rate": 1e-6,
+                "delta": 1e-12,
+                "epsilon": 100.0,
+                "orders": [1.5, 10000.0],
+            },
+        }
+    )
+    assert cfg.privacy.loss_noise_multiplier == 0.0
+    assert experiment_from_dict({**DP, "privacy": {"enabled": True, "noise_multiplier": 1e4}}).privacy.enabled
+    assert not experiment_from_dict({"privacy": {"noise_multiplier": 1e-156}}).privacy.enabled  # off: not checked

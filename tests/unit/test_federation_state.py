@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 
@@ -10,7 +11,15 @@ import grpc
 import pytest
 import torch
 
-from aggregator_service.federation import FederationState, GrpcTransport, Rejected
+from aggregator_service.engine import PhaseOutcome
+from aggregator_service.federation import (
+    MAX_TASKS_PER_POLL,
+    FederationServicer,
+    FederationState,
+    GrpcTransport,
+    RegistrationRefused,
+    Rejected,
+)
 from fairfl.models import build_model
 from fairfl.params import ParamLayout
 from fairfl.protocol import TRAIN, UPDATE, ClientResult, encode_result
@@ -234,4 +243,238 @@ def test_an_unshared_registration_still_takes_the_clients_over() -> None:
     first = state.register("site-a", [0, 1], "cpu", shared=True)
     second = state.register("site-b", [1, 2], "cpu")  # not shared: client 1 moves to site-b
     assert state.agents[first.agent_id].client_ids == [0]
-    assert state.client_hosts[1] == [second.agent_id]
+    assert list(state.client_hosts[1]) == [second.agent_id]
+
+
+# -- hostile agents: registration churn, other sites' task ids, crashed agents (issue #18) ----------------------------
+
+SITE_A, SITE_B = "a" * 64, "b" * 64  # certificate fingerprints of two sites
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """A servicer context of a plaintext server whose abort raises like grpc's."""
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+def _age(state: FederationState, seconds: float) -> None:
+    """Every registration falls silent for `seconds` more (their order by last sight is unchanged)."""
+    with state.lock:
+        for agent in state.agents.values():
+            agent.last_seen -= seconds
+
+
+def _header(layout: ParamLayout, task: federation_pb2.Task, agent_id: str, loss_after: float = 0.5) -> tuple:
+    result = ClientResult(
+        task_id=task.task_id,
+        run_id=task.run_id,
+        round=task.round,
+        client_id=task.client_id,
+        phase=TRAIN,
+        num_samples=10,
+        loss_before=1.0,
+        loss_after=loss_after,
+        agent_id=agent_id,
+    )
+    result.payloads[UPDATE] = torch.zeros(layout.numel)
+    header, *data = list(encode_result(result, layout))
+    return header.header, [c.data for c in data]
+
+
+def test_registration_churn_from_one_certificate_stays_bounded_and_register_stays_fast() -> None:
+    """5,000 co-host registrations with distinct names from one certificate, going silent as they come (the hostile
+    tester's 12.9k a minute): the agents and the client index stay bounded and Register does not slow down."""
+    state = FederationState()
+    clients = list(range(10))
+    batch_seconds = []
+    for batch in range(10):
+        started = time.perf_counter()
+        for i in range(500):
+            state.register(f"churn-{batch}-{i}", clients, "cpu", principal=SITE_A, shared=True)
+        batch_seconds.append(time.perf_counter() - started)
+        _age(state, state.agent_timeout + 1)  # none of them heartbeats: no longer live, so each may be evicted
+    cap = state.max_agents_per_identity
+    assert len(state.agents) <= cap and len(state.identities[SITE_A]) == len(state.agents)
+    assert sum(len(hosts) for hosts in state.client_hosts.values()) <= cap * len(clients)
+    assert len(state.names) == len(state.agents)
+    first, last = sorted(batch_seconds[:3])[1], sorted(batch_seconds[-3:])[1]  # medians: the machine is shared
+    assert last < 3 * first + 0.02, f"Register slowed down from {first:.4f}s to {last:.4f}s per 500"
+
+
+def test_a_certificate_holds_at_most_its_cap_of_live_registrations() -> None:
+    state = FederationState(max_agents_per_identity=4)
+    first = [state.register(f"a-{i}", [i], "cpu", principal=SITE_A, shared=True) for i in range(4)]
+    with pytest.raises(RegistrationRefused, match=r"at most|\(4\)") as refused:
+        state.register("a-4", [4], "cpu", principal=SITE_A, shared=True)
+    assert "(4)" in str(refused.value)
+    assert state.register("b-0", [9], "cpu", principal=SITE_B).agent_id in state.agents  # another site is unaffected
+    again = state.register("a-1", [1], "cpu", principal=SITE_A, shared=True)  # a restart replaces its registration
+    assert first[1].agent_id not in state.agents and len(state.identities[SITE_A]) == 4
+    _age(state, state.agent_timeout + 1)
+    state.touch(again.agent_id)  # the others fall silent: the least recently seen of them makes room
+    newest = state.register("a-5", [5], "cpu", principal=SITE_A, shared=True)
+    assert first[0].agent_id not in state.agents and newest.agent_id in state.agents
+    assert len(state.identities[SITE_A]) == 4 and 0 not in state.client_hosts
+
+
+def test_servicer_refuses_a_registration_beyond_the_cap_with_resource_exhausted() -> None:
+    state = FederationState(max_agents_per_identity=1)
+    servicer = FederationServicer(state)
+    servicer.Register(federation_pb2.RegisterRequest(agent_name="a", client_ids=[0]), _Context())
+    with pytest.raises(_Aborted) as refused:
+        servicer.Register(federation_pb2.RegisterRequest(agent_name="b", client_ids=[1]), _Context())
+    code, details = refused.value.args
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "(1)" in details
+
+
+def test_a_long_silent_agent_is_forgotten_and_told_to_register_again() -> None:
+    state = FederationState(heartbeat_interval=0.1, agent_timeout=0.5)
+    gone = state.register("a", [0, 1], "cpu", shared=True)
+    _age(state, state.agent_expiry + 1)  # a falls silent for good
+    kept = state.register("b", [1, 2], "cpu", shared=True)  # any registration or contact expires the silent ones
+    assert gone.agent_id not in state.agents and 0 not in state.client_hosts
+    assert list(state.client_hosts[1]) == [kept.agent_id]
+    assert state.touch(gone.agent_id) is None
+    with pytest.raises(_Aborted) as refused:
+        FederationServicer(state).PollTasks(
+            federation_pb2.PollRequest(agent_id=gone.agent_id, max_tasks=1, wait_seconds=1.0), _Context()
+        )
+    assert refused.value.args[0] == grpc.StatusCode.UNAUTHENTICATED and "register again" in refused.value.args[1]
+
+
+@pytest.mark.parametrize("wait", [math.nan, math.inf, -math.inf, -1.0])
+def test_a_poll_with_a_wait_that_is_no_duration_is_refused_at_once(wait: float) -> None:
+    state = FederationState()
+    agent = state.register("a", [0], "cpu")
+    started = time.monotonic()
+    with pytest.raises(_Aborted) as refused:
+        FederationServicer(state).PollTasks(
+            federation_pb2.PollRequest(agent_id=agent.agent_id, max_tasks=1, wait_seconds=wait), _Context()
+        )
+    assert refused.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and "wait_seconds" in refused.value.args[1]
+    if not math.isinf(wait) or wait < 0:  # the state itself never spins on one either (inf: waits its longest)
+        assert state.poll(agent.agent_id, 1, wait) == []
+    assert time.monotonic() - started < 0.5 and state.long_polls == 0
+
+
+def test_a_poll_takes_at_most_a_bounded_number_of_tasks() -> None:
+    state = FederationState()
+    agent = state.register("a", list(range(2000)), "cpu")
+    transport = GrpcTransport(state)
+    worker = threading.Thread(target=lambda: transport.execute([_task(c) for c in range(2000)], timeout=1.0))
+    worker.start()
+    tasks = state.poll(agent.agent_id, 2**32 - 1, 5.0)
+    worker.join()
+    assert len(tasks) == MAX_TASKS_PER_POLL
+
+
+def test_a_task_of_another_certificate_is_answered_as_never_issued_and_counts_nowhere() -> None:
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    site_a = state.register("site-a", [0], "cpu", principal=SITE_A)
+    site_b = state.register("site-b", [1], "cpu", principal=SITE_B)
+    servicer = FederationServicer(state)
+    transport = GrpcTransport(state)
+    outcomes: list[PhaseOutcome] = []
+    worker = threading.Thread(target=lambda: outcomes.append(transport.execute([_task(0), _task(1)], timeout=30.0)))
+    worker.start()
+    (task_a,) = state.poll(site_a.agent_id, 4, 5.0)
+    (task_b,) = state.poll(site_b.agent_id, 4, 5.0)
+
+    def refusal(header: federation_pb2.ResultHeader, data: list, principal: str) -> tuple[grpc.StatusCode, str]:
+        rejected = servicer._accept(header, data, principal)
+        assert rejected is not None
+        return rejected.code, str(rejected).replace(header.task_id, "<id>")
+
+    never_issued = refusal(_header(layout, _task(0), site_b.agent_id)[0], [], SITE_B)  # an id nobody was given
+    assert never_issued[0] == grpc.StatusCode.NOT_FOUND
+    # Site B tries site A's real task: as its own agent, as A's agent, and with a bad payload; all answered alike.
+    for agent_id in (site_b.agent_id, site_a.agent_id, ""):
+        assert refusal(*_header(layout, task_a, agent_id), SITE_B) == never_issued
+    assert refusal(*_header(layout, task_a, site_a.agent_id, loss_after=-1.0), SITE_B) == never_issued
+    # Site A's own bad result counts with the round; B's own task is B's to answer.
+    assert refusal(*_header(layout, task_a, site_a.agent_id, loss_after=-1.0), SITE_A)[0].name == "INVALID_ARGUMENT"
+    assert servicer._accept(*_header(layout, task_a, site_a.agent_id), SITE_A) is None
+    assert servicer._accept(*_header(layout, task_b, site_b.agent_id), SITE_B) is None
+    worker.join()
+    (outcome,) = outcomes
+    assert [r.client_id for r in outcome.results] == [0, 1]
+    assert outcome.rejected == 1, "another site's attempts counted against this round"
+    # Closed now: a replay by its own site is one; by another site, it still does not exist.
+    assert refusal(*_header(layout, task_a, site_a.agent_id), SITE_A)[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert refusal(*_header(layout, task_a, site_b.agent_id), SITE_B) == never_issued
+    assert transport.refused_after_close(1) == (0, 1)  # A's replay only
+
+
+def test_a_crashed_agents_taken_tasks_are_sent_again_to_its_new_registration() -> None:
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    crashed = state.register("agent-1", [0, 1, 2], "cpu")
+    outcomes: list[PhaseOutcome] = []
+    phase = threading.Thread(
+        target=lambda: outcomes.append(GrpcTransport(state).execute([_task(c) for c in range(3)], timeout=60.0))
+    )
+    started = time.monotonic()
+    phase.start()
+    taken = state.poll(crashed.agent_id, 2, 5.0)  # it took two tasks, then died while training them
+    assert [t.client_id for t in taken] == [0, 1]
+    restarted = state.register("agent-1", [0, 1, 2], "cpu")
+    assert crashed.agent_id not in state.agents
+    again = state.poll(restarted.agent_id, 8, 5.0)
+    assert [t.task_id for t in again] == [t.task_id for t in taken] + [_task(2).task_id], "same tasks, same ids"
+    for task in again:
+        _submit(state, layout, task, restarted.agent_id)
+    phase.join(10)
+    assert time.monotonic() - started < 10.0, "the round waited for its deadline"
+    assert [r.client_id for r in outcomes[0].results] == [0, 1, 2]
+
+
+def test_a_task_answered_before_its_copy_is_polled_is_not_sent_again() -> None:
+    state = FederationState()
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    old = state.register("agent-0", [0, 1], "cpu")
+    phase = threading.Thread(target=lambda: GrpcTransport(state).execute([_task(0), _task(1)], timeout=60.0))
+    phase.start()
+    taken = state.poll(old.agent_id, 8, 5.0)
+    new = state.register("agent-0", [0, 1], "cpu")  # reconnected while its results were still on their way
+    _submit(state, layout, taken[0], new.agent_id)
+    assert [t.client_id for t in state.poll(new.agent_id, 8, 5.0)] == [1], "client 0's answered task was re-sent"
+    _submit(state, layout, taken[1], new.agent_id)
+    phase.join(10)
+
+
+def test_a_vanished_cohosts_tasks_go_to_a_live_cohost_before_the_deadline() -> None:
+    state = FederationState(heartbeat_interval=0.05, agent_timeout=0.4)
+    layout = ParamLayout.of(build_model("mlp", (4,), 3, hidden=(5,)))
+    state.layout = layout
+    crashed = state.register("agent-0", [0, 1], "cpu", shared=True)
+    live = state.register("agent-1", [0, 1], "cpu", shared=True)
+    outcomes: list[PhaseOutcome] = []
+    phase = threading.Thread(
+        target=lambda: outcomes.append(GrpcTransport(state).execute([_task(0), _task(1)], timeout=60.0))
+    )
+    started = time.monotonic()
+    phase.start()
+    (lost,) = state.poll(crashed.agent_id, 8, 5.0)  # agent-0 takes client 0's task (ties by name) and dies
+    answered = []
+    while len(answered) < 2 and time.monotonic() - started < 10.0:
+        for task in state.poll(live.agent_id, 8, 0.1):  # polling keeps agent-1 live
+            _submit(state, layout, task, live.agent_id)
+            answered.append(task.task_id)
+    phase.join(10)
+    assert lost.task_id in answered and time.monotonic() - started < 5.0
+    assert [r.client_id for r in outcomes[0].results] == [0, 1]

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+from fairfl.privacy import COUNT_MAX, NOISE_MULTIPLIER_RANGE, ORDERS_MAX
 from privacy_service.accountant import (
+    DEFAULT_ORDERS,
+    MAX_ROUNDS_LIMIT,
     PAPER_ORDERS,
     EventSpec,
+    UnsoundAccounting,
+    _pld_epsilon,
+    _step_rdp,
     calibrate_noise,
+    cross_check,
     epsilon,
     max_rounds,
     paper_parity_max_rounds,
@@ -185,3 +193,96 @@ def test_calibrate_noise_is_monotone() -> None:
 def test_validation_names_the_argument(call: object, name: str) -> None:
     with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
         call()  # type: ignore[operator]
+
+
+# --- the sound range (issue #18) --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        # dp_accounting: ε = 0 for σ = 1e-156 at q < 1, ZeroDivisionError at 1e-300, OverflowError at 1e300
+        (lambda: epsilon([EventSpec(Q, 1e-156, 1)], DELTA), "events[0].noise_multiplier"),
+        (lambda: epsilon([EventSpec(Q, 1e-300, 1)], DELTA), "events[0].noise_multiplier"),
+        (lambda: epsilon([EventSpec(1.0, 1e300, 1)], DELTA), "events[0].noise_multiplier"),
+        (lambda: epsilon([EventSpec(Q, 1e-156, 1)], DELTA, "pld"), "events[0].noise_multiplier"),
+        (lambda: epsilon([EventSpec(Q, 0.29, 1)], DELTA), "events[0].noise_multiplier"),
+        (lambda: epsilon([EventSpec(Q, 1.01e4, 1)], DELTA), "events[0].noise_multiplier"),
+        (lambda: epsilon([EventSpec(1e-300, 2.0, 1)], DELTA), "events[0].sample_rate"),
+        (lambda: epsilon([EventSpec(1e-7, 2.0, 1)], DELTA), "events[0].sample_rate"),
+        (lambda: epsilon([EventSpec(Q, 2.0, COUNT_MAX + 1)], DELTA, "pld"), "compositions"),
+        (lambda: epsilon([EventSpec(Q, 2.0, 2**63)], DELTA), "events[0].count"),
+        (lambda: epsilon([EventSpec(Q, 2.0, COUNT_MAX), EventSpec(Q, 2.0, 1)], DELTA, "pld"), "compositions"),
+        (lambda: epsilon([grad(1)], 1e-300), "delta"),
+        (lambda: epsilon([grad(1)], 0.5), "delta"),
+        (lambda: epsilon([grad(1)], DELTA, orders=[2.0, 1e300]), "orders"),
+        (lambda: epsilon([grad(1)], DELTA, orders=[2.0] * (ORDERS_MAX + 1)), "orders"),
+        (lambda: max_rounds([grad(1)], [], 1e300, DELTA), "target_eps"),
+        (lambda: calibrate_noise(1e-300, DELTA, Q, 10), "target_eps"),
+        (lambda: calibrate_noise(1.0, DELTA, Q, 2**63), "steps"),
+    ],
+)
+def test_outside_the_sound_range_is_refused_naming_the_argument(call: object, name: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(name)) as err:
+        call()  # type: ignore[operator]
+    assert not isinstance(err.value, UnsoundAccounting)  # a plain argument error: INVALID_ARGUMENT at the service
+
+
+def test_sound_range_bounds_are_accepted() -> None:
+    low, high = NOISE_MULTIPLIER_RANGE
+    assert epsilon([EventSpec(1.0, low, 1)], DELTA)[0] > 0
+    assert epsilon([EventSpec(1.0, high, 1)], DELTA)[0] > 0  # RDP's floor, ≈ 0.0035 at δ = 1e-5
+    assert epsilon([EventSpec(1e-6, 1.0, 10**4)], DELTA)[0] > 0
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_zero_epsilon_of_a_real_mechanism_is_refused(accountant: str) -> None:
+    # In range, but the spend is below what either accountant resolves: both return ε = 0.
+    with pytest.raises(UnsoundAccounting, match=r"ε = 0\.0 for 11 x \(q=0.001, σ=9000\)"):
+        epsilon([EventSpec(0.001, 9000.0, 11)], DELTA, accountant)
+    assert epsilon([], DELTA, accountant)[0] == 0.0  # no events: nothing spent, legitimately
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # dp_accounting's own overflow warnings on the way to failing
+def test_dp_accounting_failures_become_unsound_accounting() -> None:
+    """Below the range checks: dp_accounting's own exceptions and negative divergences never escape as such."""
+    with pytest.raises(UnsoundAccounting, match="ZeroDivisionError"):
+        _step_rdp(Q, 1e-300, DEFAULT_ORDERS)
+    with pytest.raises(UnsoundAccounting, match="negative or NaN"):
+        _step_rdp(Q, 1e-156, DEFAULT_ORDERS)  # dp_accounting itself would answer ε = 0
+    with pytest.raises(UnsoundAccounting, match="OverflowError"):
+        _pld_epsilon((EventSpec(1.0, 1e300, 1),), DELTA)
+
+
+def test_cross_check_agrees_at_the_presets_settings() -> None:
+    rdp, pld = cross_check([grad(1), loss(1)], DELTA)  # one FedFDP round
+    assert rdp == pytest.approx(epsilon([grad(1), loss(1)], DELTA)[0])
+    assert 0.4 * rdp < pld <= rdp
+    rdp, pld = cross_check([EventSpec(0.1, 1.2, 2)], DELTA, PAPER_ORDERS)
+    assert 0 < pld <= rdp
+
+
+@pytest.mark.parametrize(
+    ("events", "match"),
+    [
+        # PLD's grid swamps a per-step loss this small: 0.086 against the RDP bound 0.0086
+        ([EventSpec(0.01, 1000.0, 10**5)], "RDP and PLD disagree"),
+        # PLD resolves nothing (ε = 0) where RDP gives 0.0195: not a spend the ledger can state
+        ([EventSpec(1e-4, 5.0, 1)], "PLD accountant gives ε = 0"),
+    ],
+)
+def test_cross_check_refuses_a_disagreement(events: list[EventSpec], match: str) -> None:
+    with pytest.raises(UnsoundAccounting, match=match):
+        cross_check(events, DELTA)
+
+
+def test_searches_are_bounded_by_the_sound_range() -> None:
+    # A round spending almost nothing: RDP's cheap search stops at its limit, PLD's where a mechanism would exceed
+    # COUNT_MAX compositions (beyond, its convolutions take minutes).
+    assert max_rounds([EventSpec(1.0, 1e4, 1)], [], 100.0, DELTA) == MAX_ROUNDS_LIMIT
+    assert max_rounds([EventSpec(1.0, 1e4, 10)], [EventSpec(1.0, 1e4, 10)], 100.0, DELTA, "pld") == COUNT_MAX // 10 - 1
+    assert epsilon([EventSpec(Q, 2.0, COUNT_MAX), EventSpec(Q, 2.0, COUNT_MAX)], DELTA)[0] > 100  # RDP: no bound
+    # Calibration stays inside [0.3, 1e4]: the bound itself when it meets the target, a refusal when none does.
+    assert calibrate_noise(100.0, DELTA, Q, 1) == NOISE_MULTIPLIER_RANGE[0]
+    with pytest.raises(ValueError, match="no noise multiplier in the accountant's sound range"):
+        calibrate_noise(1e-3, DELTA, 1.0, 10**6)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from privacy_service.accountant import EventSpec, epsilon, max_rounds
+from privacy_service.accountant import EventSpec, UnsoundAccounting, epsilon, max_rounds
 from privacy_service.ledger import (
     Budget,
     BudgetConflict,
@@ -21,6 +21,7 @@ from privacy_service.ledger import (
     NotPrivateRun,
     RoundConflict,
     SqliteLedger,
+    UnaccountableRun,
     UnknownRun,
 )
 
@@ -276,4 +277,91 @@ def test_locked_ledger_refuses_cleanly(tmp_path: Path) -> None:
     other.close()
     assert led.rounds_recorded("run") == 1
     assert not led.authorize_round("run", 1, round_events()).replayed
+    led.close()
+
+
+# --- the sound range (issue #18) --------------------------------------------------------------------------------------
+
+
+def _state(led: SqliteLedger) -> tuple[list[tuple[object, ...]], ...]:
+    """Every row of the ledger's tables: a refused call must leave all of them as they were."""
+    return tuple(
+        led._db.execute(f"SELECT * FROM {t} ORDER BY 1, 2, 3").fetchall() for t in ("rounds", "events", "totals")
+    )
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize(
+    ("event", "refusal", "match"),
+    [
+        # σ = 1e-156 used to be granted with ε = 0; 1e-300 and 1e300 used to raise ZeroDivisionError / OverflowError.
+        (
+            Event("c9", "gradient", 0.05, 1e-156, 1),
+            ValueError,
+            r"events\[6\].noise_multiplier must be in \[0.3, 10000\]",
+        ),
+        (Event("c9", "gradient", 0.05, 1e-300, 1), ValueError, r"events\[6\].noise_multiplier"),
+        (Event("c9", "gradient", 1.0, 1e300, 1), ValueError, r"events\[6\].noise_multiplier"),
+        (Event("c9", "gradient", 1e-300, 2.0, 1), ValueError, r"events\[6\].sample_rate must be in \[1e-06, 1\]"),
+        (Event("c9", "gradient", 0.05, 2.0, 10**6 + 1), ValueError, r"events\[6\].count must be at most 1000000"),
+        # In range, but below what the accountants resolve: ε = 0, refused rather than recorded.
+        (Event("c9", "gradient", 0.001, 9000.0, 11), UnsoundAccounting, r"gives ε = 0\.0"),
+        (Event("c9", "model", 1e-4, 5.0, 1), UnsoundAccounting, r"PLD accountant gives ε = 0\.0"),
+    ],
+)
+def test_unaccountable_round_is_refused_and_changes_nothing(
+    accountant: str, event: Event, refusal: type[Exception], match: str
+) -> None:
+    led = InMemoryLedger()
+    register(led, accountant=accountant)
+    led.authorize_round("run", 0, round_events())
+    before, spent = _state(led), led.spend("run")
+    with pytest.raises(refusal, match=match):
+        led.authorize_round("run", 1, [*round_events(), event])
+    assert _state(led) == before and led.spend("run") == spent and led.rounds_recorded("run") == 1
+    assert not led.authorize_round("run", 1, round_events()).replayed  # the round itself still gets in
+    led.close()
+
+
+def test_round_on_which_rdp_and_pld_disagree_is_refused(ledger: Ledger) -> None:
+    register(ledger, eps=50.0)
+    with pytest.raises(UnsoundAccounting, match="RDP and PLD disagree"):
+        ledger.authorize_round("run", 0, [Event("c0", "gradient", 0.01, 1000.0, 10**5)])
+    assert ledger.rounds_recorded("run") == 0 and ledger.events("run") == []
+
+
+@pytest.mark.parametrize(
+    ("budget", "name"),
+    [
+        (Budget("r", 1e300, DELTA), r"epsilon must be in \[0.001, 100\]"),
+        (Budget("r", 1e-300, DELTA), "epsilon"),
+        (Budget("r", 1.0, 1e-300), r"delta must be in \[1e-12, 0.01\]"),
+        (Budget("r", 1.0, DELTA, orders=(2.0, 1e300)), "orders must all be at most 10000"),
+        (Budget("r", 1e300, 0.0, principal_kind="none"), "epsilon of a non-private run"),
+        (Budget("r", 0.0, -1.0, principal_kind="none"), "delta of a non-private run"),
+    ],
+)
+def test_budget_outside_the_sound_range_is_refused(ledger: Ledger, budget: Budget, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        ledger.register_budget(budget)
+    with pytest.raises(UnknownRun):
+        ledger.get_budget("r")
+
+
+def test_remaining_rounds_refuses_an_unaccountable_round_and_is_bounded(ledger: Ledger) -> None:
+    register(ledger, eps=100.0)
+    with pytest.raises(UnsoundAccounting, match=r"ε = 0\.0"):
+        ledger.remaining_rounds("run", [Event("c0", "gradient", 0.001, 9000.0, 11)])
+    # A round spending almost nothing: under PLD bounded by the compositions it handles (1e6), not searched to 1e9.
+    register(ledger, "pld-run", eps=100.0, accountant="pld")
+    assert ledger.remaining_rounds("pld-run", [Event("c0", "model", 1.0, 1e4, 10)]) == 10**5
+
+
+def test_recorded_events_outside_the_range_make_spend_a_precondition_failure(tmp_path: Path) -> None:
+    """A ledger file written before the range was enforced (here: by hand) can no longer state those principals' ε."""
+    led = SqliteLedger(str(tmp_path / "ledger.sqlite"))
+    register(led)
+    led._db.execute("INSERT INTO totals VALUES ('run', 'old', 0.05, 1e-156, 1, 1)")
+    with pytest.raises(UnaccountableRun, match="recorded events cannot be accounted"):
+        led.spend("run")
     led.close()

@@ -12,7 +12,7 @@ from fairfl.rpc import open_channel, start_server
 from fairfl.v1 import privacy_pb2 as pb
 from fairfl.v1 import privacy_pb2_grpc
 from privacy_service.accountant import EventSpec, epsilon
-from privacy_service.ledger import InMemoryLedger
+from privacy_service.ledger import Budget, InMemoryLedger
 from privacy_service.servicer import SERVICE_NAME, PrivacyServicer
 
 DELTA = 1e-5
@@ -36,7 +36,8 @@ def stub() -> Iterator[privacy_pb2_grpc.PrivacyStub]:
 
 def budget(run_id: str, eps: float = 3.52, **kw: object) -> pb.RegisterBudgetRequest:
     kw.setdefault("principal_kind", pb.PRINCIPAL_KIND_CLIENT)
-    return pb.RegisterBudgetRequest(run_id=run_id, epsilon=eps, delta=DELTA, **kw)  # type: ignore[arg-type]
+    kw.setdefault("delta", DELTA)
+    return pb.RegisterBudgetRequest(run_id=run_id, epsilon=eps, **kw)  # type: ignore[arg-type]
 
 
 def events(clients: tuple[str, ...] = ("c0", "c1"), steps: int = 1) -> list[pb.PrivacyEvent]:
@@ -179,3 +180,91 @@ def test_invalid_arguments_name_the_field(
     assert err.code() == Code.INVALID_ARGUMENT, err.details()
     assert field in err.details()
     assert stub.GetSpend(pb.GetSpendRequest(run_id="v"), timeout=10).rounds_recorded == 0
+
+
+# --- the sound range (issue #18): every numeric field, every RPC ------------------------------------------------------
+
+SOUND = "the range the privacy accountant handles soundly"
+
+
+def _authorize(**kw: object) -> pb.AuthorizeRoundRequest:
+    return pb.AuthorizeRoundRequest(run_id="s", round=1, events=[_event(**kw)])
+
+
+def _remaining(**kw: object) -> pb.RemainingRoundsRequest:
+    return pb.RemainingRoundsRequest(run_id="s", principal="c0", per_round=[_event(principal="", **kw)])
+
+
+def _calibrate(**kw: object) -> pb.CalibrateNoiseRequest:
+    return pb.CalibrateNoiseRequest(**{"target_epsilon": 1.0, "delta": DELTA, "sample_rate": 0.05, "steps": 10, **kw})
+
+
+UNACCOUNTABLE = {"sample_rate": 0.001, "noise_multiplier": 9000, "count": 11}  # in range, but ε = 0
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "phrase"),
+    [
+        # σ = 1e-156 used to be granted with ε = 0; 1e-300 and 1e300 ended in INTERNAL (ZeroDivision-, OverflowError).
+        ("AuthorizeRound", _authorize(noise_multiplier=1e-156), "events[0].noise_multiplier must be in [0.3, 10000]"),
+        ("AuthorizeRound", _authorize(noise_multiplier=1e-300), "events[0].noise_multiplier must be in [0.3, 10000]"),
+        ("AuthorizeRound", _authorize(noise_multiplier=1e300), "events[0].noise_multiplier must be in [0.3, 10000]"),
+        ("AuthorizeRound", _authorize(noise_multiplier=math.nan), "events[0].noise_multiplier must be finite"),
+        ("AuthorizeRound", _authorize(noise_multiplier=-math.inf), "events[0].noise_multiplier must be finite"),
+        ("AuthorizeRound", _authorize(sample_rate=1e-300), "events[0].sample_rate must be in [1e-06, 1]"),
+        ("AuthorizeRound", _authorize(sample_rate=math.inf), "events[0].sample_rate must be finite"),
+        ("AuthorizeRound", _authorize(count=10**6 + 1), "events[0].count must be at most 1000000"),
+        ("AuthorizeRound", _authorize(**UNACCOUNTABLE), "gives ε = 0.0"),
+        ("RegisterBudget", budget("s2", eps=1e300), "epsilon must be in [0.001, 100]"),
+        ("RegisterBudget", budget("s2", eps=-math.inf), "epsilon must be finite"),
+        ("RegisterBudget", budget("s2", delta=1e-300), "delta must be in [1e-12, 0.01]"),
+        ("RegisterBudget", budget("s2", orders=[2.0, 1e300]), "orders must all be at most 10000"),
+        ("RegisterBudget", budget("s2", orders=[math.nan]), "orders must be finite"),
+        ("RegisterBudget", budget("s2", orders=[2.0] * 1000), "orders must hold at most 256"),
+        ("RegisterBudget", budget("s2", eps=1e300, principal_kind=pb.PRINCIPAL_KIND_NONE), "of a non-private run"),
+        ("RemainingRounds", _remaining(noise_multiplier=1e-156), "per_round[0].noise_multiplier must be in [0.3"),
+        ("RemainingRounds", _remaining(sample_rate=math.nan), "per_round[0].sample_rate must be finite"),
+        ("RemainingRounds", _remaining(count=2**64 - 1), "per_round[0].count must be at most 1000000"),
+        ("RemainingRounds", _remaining(**UNACCOUNTABLE), "gives ε = 0.0"),
+        ("CalibrateNoise", _calibrate(target_epsilon=1e300), "target_epsilon must be in [0.001, 100]"),
+        ("CalibrateNoise", _calibrate(target_epsilon=math.nan), "target_epsilon must be finite"),
+        ("CalibrateNoise", _calibrate(delta=math.inf), "delta must be finite"),
+        ("CalibrateNoise", _calibrate(sample_rate=1e-300), "sample_rate must be in [1e-06, 1]"),
+        ("CalibrateNoise", _calibrate(steps=2**64 - 1), "steps must be at most 1000000"),
+        ("CalibrateNoise", _calibrate(target_epsilon=1e-3, sample_rate=1.0, steps=10**6), "no noise multiplier"),
+    ],
+)
+def test_hostile_numbers_are_invalid_arguments_and_change_nothing(
+    stub: privacy_pb2_grpc.PrivacyStub, method: str, request_: object, phrase: str
+) -> None:
+    stub.RegisterBudget(budget("s"), timeout=10)
+    stub.AuthorizeRound(pb.AuthorizeRoundRequest(run_id="s", round=0, events=events()), timeout=10)
+    before = stub.GetSpend(pb.GetSpendRequest(run_id="s"), timeout=10)
+    err = refused(getattr(stub, method), request_)
+    assert err.code() == Code.INVALID_ARGUMENT, err.details()
+    assert phrase in err.details()
+    if "must be in [" in phrase:
+        assert SOUND in err.details()
+    assert stub.GetSpend(pb.GetSpendRequest(run_id="s"), timeout=10) == before
+    assert refused(stub.GetSpend, pb.GetSpendRequest(run_id="s2")).code() == Code.NOT_FOUND  # no budget was stored
+
+
+def test_unaccountable_recorded_history_is_a_failed_precondition() -> None:
+    """A ledger file recorded before the range was enforced: GetSpend says so instead of stating ε = 0 or failing
+    with INTERNAL."""
+    ledger = InMemoryLedger()
+    ledger.register_budget(Budget("old", 1.0, DELTA))
+    ledger._db.execute("INSERT INTO totals VALUES ('old', 'c0', 0.05, 1e-156, 1, 1)")
+
+    def register(server: grpc.Server) -> list[str]:
+        privacy_pb2_grpc.add_PrivacyServicer_to_server(PrivacyServicer(ledger), server)
+        return [SERVICE_NAME]
+
+    running = start_server("127.0.0.1:0", register, max_workers=2)
+    try:
+        with open_channel(f"127.0.0.1:{running.port}") as channel:
+            err = refused(privacy_pb2_grpc.PrivacyStub(channel).GetSpend, pb.GetSpendRequest(run_id="old"))
+    finally:
+        running.stop(0)
+        ledger.close()
+    assert err.code() == Code.FAILED_PRECONDITION and "recorded events cannot be accounted" in err.details()

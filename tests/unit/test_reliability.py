@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -191,6 +192,49 @@ def test_events_past_the_checkpoint_are_dropped_and_overwritten(tmp_path: Path) 
     final = checkpoint.load(directory)
     assert final is not None and [r.round for r in final.rounds] == [1, 2, 3]
     assert b"junk" not in (directory / checkpoint.EVENTS_FILE).read_bytes()
+
+
+def _record_task_ids(engine: RoundEngine) -> dict[tuple[int, int], str]:
+    """(round, client) -> task id of every task the engine dispatches from now on (phase 0: training)."""
+    ids: dict[tuple[int, int], str] = {}
+    execute = engine.transport.execute
+
+    def recording(tasks: list[federation_pb2.Task], timeout: float, *args: Any, **kwargs: Any) -> Any:
+        ids.update(((t.round, t.client_id), t.task_id) for t in tasks if t.phase == federation_pb2.PHASE_TRAIN)
+        return execute(tasks, timeout, *args, **kwargs)
+
+    engine.transport.execute = recording  # type: ignore[method-assign]
+    return ids
+
+
+def test_task_ids_are_keyed_per_run_and_a_resumed_run_issues_the_same_ones(tmp_path: Path) -> None:
+    """Nothing in a task id tells its run, round or client (a MAC under the run's secret key); the key is in the
+    checkpoint, so the round re-run after a crash carries the same ids: an agent's DP-release cache relies on it."""
+    config = _config(rounds=4)
+    directory = run_directory(tmp_path, RUN)
+    crashed = _engine(config, [])
+    crashed.checkpointer = RunCheckpointer(directory, RUN, config)
+    crashed.checkpointer.start_fresh()
+    _crash_in_round(crashed, 3)
+    before = _record_task_ids(crashed)
+    with pytest.raises(Crash):
+        crashed.run()
+    loaded = checkpoint.load(directory)
+    assert loaded is not None and loaded.checkpoint.task_id_key == crashed.task_key and len(crashed.task_key) == 32
+    resumed = _engine(config, [])
+    resumed.checkpointer = RunCheckpointer(directory, RUN, config)
+    resumed.checkpointer.restore(resumed, loaded)
+    after = _record_task_ids(resumed)
+    assert resumed.run().state == control_pb2.RUN_STATE_COMPLETED
+    round_three = {key: value for key, value in before.items() if key[0] == 3}
+    assert round_three and all(after[key] == value for key, value in round_three.items())
+    another = _engine(config, [])  # the same run id and seed without the key: other ids
+    fresh = _record_task_ids(another)
+    assert another.run().state == control_pb2.RUN_STATE_COMPLETED
+    assert not set(fresh.values()) & (set(before.values()) | set(after.values()))
+    for task_id in [*before.values(), *after.values()]:
+        assert re.fullmatch(r"[0-9a-f]{32}", task_id), task_id
+    assert len(set(after.values())) == len(after), "one id per (round, client)"
 
 
 def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -199,3 +199,44 @@ def test_an_upload_may_leave_out_its_sha256_only_over_mutual_tls(
     (done,) = outcome
     (accepted,) = done.results  # type: ignore[attr-defined]
     assert torch.equal(accepted.payloads[UPDATE], update)
+
+
+class _BusyAggregator(_Aggregator):
+    """Turns the first `busy` result calls away with RESOURCE_EXHAUSTED, as the aggregator's access guard does when
+    the caller's share of calls is taken; takes the rest."""
+
+    def __init__(self, busy: int) -> None:
+        super().__init__(uploads=True)
+        self.busy = busy
+        self.calls = 0
+
+    def UploadResult(self, request: federation_pb2.ResultUpload, context: grpc.ServicerContext):
+        self.calls += 1
+        if self.calls <= self.busy:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "at most 30 calls at a time per caller")
+        return super().UploadResult(request, context)
+
+
+@pytest.mark.parametrize("busy", [2, 99])
+def test_a_result_turned_away_as_busy_is_sent_again(busy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_module, "BUSY_RETRY_PAUSES_S", (0.01, 0.01, 0.01))
+    aggregator = _BusyAggregator(busy)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    federation_pb2_grpc.add_FederationServicer_to_server(aggregator, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    agent = Agent(f"127.0.0.1:{port}", [0], device="cpu")
+    try:
+        runtime = synthetic_runtime()
+        result = _result(runtime)
+        size = runtime.layout.nbytes
+        agent._hand_over(agent_module._Submission(result.task_id, "train", size), agent._open, result, runtime)
+        agent._finish_submissions()
+    finally:
+        agent.channel.close()
+        server.stop(None)
+    if busy == 2:  # refused twice, accepted the third time: delivered once
+        assert aggregator.calls == 3 and len(aggregator.uploads) == 1 and agent.tasks_done == 1
+    else:  # still busy after every pause: given up on, as any other refusal (the round goes on without it)
+        assert aggregator.calls == 4 and aggregator.uploads == [] and agent.tasks_done == 0
+    assert not agent._in_flight

@@ -193,6 +193,33 @@ def test_interceptor_counts_every_call_kind_with_its_status_and_bytes() -> None:
     assert sample("fairfl_grpc_server_handling_seconds_count", service="test.Echo", method="Unary") >= 3
 
 
+def test_interceptor_builds_each_methods_wrapper_once_and_keeps_its_thread_pool() -> None:
+    """The wrapped handler is reused while the inner one stays the same (no per-call wrapping), and a behavior that
+    asked grpcio for a thread pool of its own (the access guard's health checks) keeps it through the wrapper."""
+    from concurrent import futures
+
+    pool = futures.ThreadPoolExecutor(1)
+
+    def check(request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> None:
+        return None
+
+    check.__dict__["experimental_thread_pool"] = pool
+    inner = grpc.unary_unary_rpc_method_handler(check)
+    interceptor = telemetry.GrpcMetricsInterceptor()
+
+    class Details(grpc.HandlerCallDetails):
+        method = "/grpc.health.v1.Health/Check"
+        invocation_metadata = ()
+
+    first = interceptor.intercept_service(lambda _: inner, Details())
+    assert first is not None and interceptor.intercept_service(lambda _: inner, Details()) is first
+    assert first.unary_unary.experimental_thread_pool is pool
+    other = grpc.unary_unary_rpc_method_handler(check)
+    assert interceptor.intercept_service(lambda _: other, Details()) is not first, "a new inner handler is wrapped anew"
+    assert interceptor.intercept_service(lambda _: None, Details()) is None
+    pool.shutdown()
+
+
 # --- aggregator: fairness and system metrics from RunEvents -----------------------------------------------------------
 
 

@@ -1,19 +1,37 @@
-"""Certificates and identities (fairfl.tls), `fairfl certs`, the transport options, the rate limiter and the payload
-limits of fairfl.codec. The end-to-end checks with real processes are in tests/integration/test_security.py."""
+"""Certificates and identities (fairfl.tls), `fairfl certs`, the transport options, the rate limiter, the access
+guard's concurrency and idle limits and the payload limits of fairfl.codec. The end-to-end checks with real processes
+are in tests/integration/test_security.py, test_fair_share.py and test_undecodable.py."""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
 import stat
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client_agent.agent import parse_client_ids
-from fairfl import cli, codec, tls
-from fairfl.rpc import CHUNK_BYTES, RateLimiter, TransportSecurity, add_transport_arguments, security_from_args
+from fairfl import cli, codec, rpc, telemetry, tls
+from fairfl.rpc import (
+    CHUNK_BYTES,
+    AccessPolicy,
+    IdleWatch,
+    InFlight,
+    RateLimiter,
+    ServerLimits,
+    TransportSecurity,
+    add_transport_arguments,
+    security_from_args,
+    server_limits,
+    start_server,
+)
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +249,189 @@ def test_registering_no_client_is_refused_and_counted() -> None:
         FederationServicer(state).Register(federation_pb2.RegisterRequest(agent_name="a"), _PlaintextContext())
     assert aborted.value.args == (grpc.StatusCode.INVALID_ARGUMENT, "register at least one client id")
     assert refused() == before + 1 and not state.agents
+
+
+# -- the access guard's limits (fairfl.rpc) ----------------------------------------------------------------------------
+
+
+def test_server_limits_leave_room_for_other_callers_and_for_refusals() -> None:
+    assert server_limits(64) == ServerLimits(workers=64, reserved=4, total=60, per_caller=30)  # the aggregator
+    assert server_limits(32) == ServerLimits(workers=32, reserved=2, total=30, per_caller=15)  # privacy, clustering
+    assert server_limits(4) == ServerLimits(workers=4, reserved=1, total=3, per_caller=2)
+    for workers in range(3, 300):
+        limits = server_limits(workers)
+        assert 1 <= limits.per_caller < limits.total < workers, limits
+    assert server_limits(64, AccessPolicy(max_in_flight=59)).per_caller == 59
+    for bad in (60, 64, -1):
+        with pytest.raises(ValueError, match=r"--max-in-flight must be at least 1 and below 60 \(the 64 worker"):
+            server_limits(64, AccessPolicy(max_in_flight=bad))
+    for timeout in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--idle-timeout must be a positive number"):
+            server_limits(64, AccessPolicy(idle_timeout=timeout))
+
+
+def test_in_flight_caps_each_caller_and_all_callers() -> None:
+    slots = InFlight(per_caller=2, total=3)
+    assert [slots.enter("a") for _ in range(3)] == ["", "", "concurrency"]
+    assert slots.enter("b") == ""
+    assert slots.enter("c") == "capacity", "all slots are taken: another caller is refused too"
+    slots.leave("a")
+    assert slots.enter("c") == ""
+    for key in ("a", "b", "c", "never-entered"):
+        slots.leave(key)
+    assert (slots.count, slots.running) == ({}, 0), "the table keeps only callers with calls running"
+
+
+class _WatchedCall:
+    """What IdleWatch reads of a call: its deadline while its handler waits, and whether it expired."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.expired = False
+        self.expired_at = threading.Event()
+
+    def expire(self) -> None:
+        self.expired = True
+        self.expired_at.set()
+
+
+def test_idle_watch_expires_only_calls_waiting_past_their_deadline() -> None:
+    watch = IdleWatch(0.2)
+    try:
+        waiting, busy, later = _WatchedCall(0.0), _WatchedCall(0.0), _WatchedCall(0.0)
+        for call in (waiting, busy, later):
+            watch.add(call)  # type: ignore[arg-type]
+        started = time.monotonic()
+        waiting.deadline = started + 0.2
+        assert waiting.expired_at.wait(2.0)
+        assert 0.15 <= time.monotonic() - started < 1.0
+        later.deadline = time.monotonic() + 0.2  # starts waiting while the watch sleeps: still found in time
+        assert later.expired_at.wait(2.0)
+        assert not busy.expired, "a call whose handler is not waiting for a message is never cancelled"
+    finally:
+        watch.close()
+    watch.thread.join(1.0)
+    assert not watch.thread.is_alive()
+
+
+# -- the access guard on a real server: refusals, idle calls, health ------------------------------------------------
+
+Req, Rep = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+GUARD = "test.Guard"
+
+
+def _guard_service(server: grpc.Server) -> list[str]:
+    def unary(request: Req, context: grpc.ServicerContext) -> Rep:
+        if request.service == "missing":
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
+        if request.service == "forged":
+            rpc.refuse(context, GUARD, "identity", grpc.StatusCode.PERMISSION_DENIED, "not yours")
+        return Rep(status=Rep.SERVING)
+
+    def upload(requests: Iterator[Req], context: grpc.ServicerContext) -> Rep:
+        return Rep(status=Rep.SERVING if sum(1 for _ in requests) else Rep.NOT_SERVING)
+
+    codec_ = {"request_deserializer": Req.FromString, "response_serializer": Rep.SerializeToString}
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary, **codec_),
+        "Upload": grpc.stream_unary_rpc_method_handler(upload, **codec_),
+    }
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(GUARD, handlers)])
+    return [GUARD]
+
+
+def _refused(reason: str, service: str = GUARD) -> float:
+    return sum(
+        s.value
+        for m in telemetry.REQUESTS_REFUSED.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels == {"service": service, "reason": reason}
+    )
+
+
+def _code(call: object, *args: object) -> tuple[grpc.StatusCode, str]:
+    try:
+        call(*args, timeout=5)  # type: ignore[operator]
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def test_guard_refuses_unreadable_messages_and_counts_every_refusal_once() -> None:
+    running = start_server("127.0.0.1:0", _guard_service, max_workers=4)
+    before = {r: _refused(r) for r in ("malformed", "size", "not_found", "identity", "permission_denied")}
+    try:
+        with rpc.open_channel(f"127.0.0.1:{running.port}") as channel:
+            raw = channel.unary_unary(f"/{GUARD}/Unary")  # no serializers: the bytes travel as they are
+            upload = channel.stream_unary(f"/{GUARD}/Upload")
+            garbage = b"\x0f" + bytes(range(40))  # field 1 with wire type 7: no protobuf parser accepts it
+            assert _code(raw, garbage) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"/{GUARD}/Unary: a request message could not be parsed as this method's request",
+            )
+            assert _code(upload, iter([Req().SerializeToString(), garbage]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+            code, details = _code(raw, bytes(5 * 1024 * 1024))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds the limit of 4194304 bytes" in details
+            assert _code(raw, bytes(9 * 1024 * 1024))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED  # gRPC core's limit
+            assert _code(raw, Req(service="missing").SerializeToString())[0] == grpc.StatusCode.NOT_FOUND
+            assert _code(raw, Req(service="forged").SerializeToString())[0] == grpc.StatusCode.PERMISSION_DENIED
+            assert _code(raw, Req().SerializeToString())[0] == grpc.StatusCode.OK
+    finally:
+        running.stop(0)
+    counted = {r: _refused(r) - before[r] for r in before}
+    # the handler's own abort under its code; refuse()'s under its reason, not again under its code
+    assert counted == {"malformed": 2, "size": 1, "not_found": 1, "identity": 1, "permission_denied": 0}
+
+
+def test_guard_caps_a_caller_cancels_idle_calls_and_keeps_health_answering() -> None:
+    """4 workers: 3 calls at once in all, 2 per caller (on plaintext, per address: everything here is one caller)."""
+    running = start_server("127.0.0.1:0", _guard_service, max_workers=4, policy=AccessPolicy(idle_timeout=0.5))
+    release = threading.Event()
+
+    def silent() -> Iterator[bytes]:
+        release.wait()
+        yield from ()
+
+    def first_done(calls: list[grpc.Future]) -> list[grpc.Future]:
+        deadline = time.monotonic() + 5
+        while not any(c.done() for c in calls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [c for c in calls if c.done()]
+
+    idle_before, busy_before = _refused("idle"), _refused("concurrency")
+    try:
+        with rpc.open_channel(f"127.0.0.1:{running.port}") as channel:
+            upload = channel.stream_unary(f"/{GUARD}/Upload")
+            started = time.monotonic()
+            streams = [upload.future(silent(), timeout=10) for _ in range(3)]
+            (refused,) = first_done(streams)
+            assert refused.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at most 2 calls (streams included) at a time per caller" in refused.exception().details()
+            held = [s for s in streams if s is not refused]
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(3):
+                t = time.monotonic()
+                assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == Rep.SERVING
+                assert time.monotonic() - t < 1.0
+            assert not any(s.done() for s in held), "the two calls within the caller's share are still waiting"
+            for call in held:
+                err = call.exception(timeout=5)
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+                assert "no message from the caller for 0.5 s" in err.details()
+            assert time.monotonic() - started >= 0.45
+            assert running.guard is not None
+            deadline = time.monotonic() + 5  # the handlers end a moment after their callers got the status
+            while running.guard.calls.running and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert (running.guard.calls.running, running.guard.calls.count) == (0, {}), "no call holds a thread"
+            # a unary method called as a stream that never sends its request must not hold a thread either
+            unary_as_stream = channel.stream_unary(f"/{GUARD}/Unary").future(silent(), timeout=10)
+            assert unary_as_stream.exception(timeout=5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert _code(channel.unary_unary(f"/{GUARD}/Unary"), Req().SerializeToString())[0] == grpc.StatusCode.OK
+    finally:
+        release.set()
+        running.stop(0)
+    assert (_refused("idle") - idle_before, _refused("concurrency") - busy_before) == (3, 1)
+    assert running.guard is not None
+    running.guard.idle.thread.join(2.0)
+    assert not running.guard.idle.thread.is_alive(), "the idle watch ends with its server"
