@@ -31,7 +31,7 @@ from aggregator_service.strategies.base import measures_client_losses, train_res
 from aggregator_service.strategies.fold import ResultFold
 from client_agent.trainer import build_global_model
 from fairfl import codec
-from fairfl.config import ExperimentConfig
+from fairfl.config import ConfigError, ExperimentConfig
 from fairfl.data.groups import client_groups
 from fairfl.metrics.fairness import fairness_report
 from fairfl.params import ParamLayout, flatten_parameters
@@ -155,6 +155,11 @@ class RunStopped(Exception):
     pass
 
 
+class RunRefused(Exception):
+    """The run cannot go on for a reason its message states and a person can act on (a peer service refused it): the
+    run fails with the message, logged without a traceback, as a ConfigError is."""
+
+
 @dataclass
 class RunSummary:
     run_id: str
@@ -242,7 +247,10 @@ class RoundEngine:
                 self.run_id, control_pb2.RUN_STATE_STOPPED, self.completed_round, self.params, str(stopped)
             )
         except Exception as err:
-            log.exception("run %s failed", self.run_id)
+            if isinstance(err, ConfigError | RunRefused):
+                log.error("run %s failed: %s", self.run_id, err)
+            else:
+                log.exception("run %s failed", self.run_id)
             self._end(control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}")
             return RunSummary(self.run_id, control_pb2.RUN_STATE_FAILED, self.completed_round, self.params, str(err))
         finally:

@@ -18,7 +18,7 @@ from clustering_service import SelectionOutput, StateStore, select
 from clustering_service.samplers import parse_method
 from clustering_service.servicer import signature_from_proto
 from fairfl.config import ExperimentConfig
-from fairfl.rpc import SHORT_DEADLINE, open_channel
+from fairfl.rpc import SHORT_DEADLINE, open_channel, refused_as_busy
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, privacy_pb2, privacy_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def call_with_retry(method: Callable[..., T], request: object, retry_s: float, peer: str) -> T:
-    """An idempotent unary call, retried with jittered exponential backoff while the peer is down or restarting."""
+    """An idempotent unary call, retried with jittered exponential backoff while the peer is down, restarting or
+    busy (fairfl.rpc.refused_as_busy)."""
     deadline = time.monotonic() + retry_s
     backoff = 0.2
     while True:
@@ -170,7 +171,8 @@ def call_with_retry(method: Callable[..., T], request: object, retry_s: float, p
             return method(request, timeout=SHORT_DEADLINE, wait_for_ready=True)
         except grpc.RpcError as err:
             pause = backoff * random.uniform(0.5, 1.0)
-            if err.code() not in _RETRYABLE or time.monotonic() + pause > deadline:
+            retryable = err.code() in _RETRYABLE or refused_as_busy(err)
+            if not retryable or time.monotonic() + pause > deadline:
                 raise
             log.warning("%s: %s (%s); retrying in %.1fs", peer, err.code().name, err.details(), pause)
             time.sleep(pause)
@@ -181,6 +183,16 @@ def _budget_exhausted(details: str) -> Exception:
     from aggregator_service.engine import RunStopped
 
     return RunStopped(f"privacy budget exhausted: {details}")
+
+
+def _privacy_refusal(err: grpc.RpcError, call: str) -> Exception:
+    """What a run makes of the privacy service's refusal: a spent budget stops it; anything else fails it with the
+    service's own words (a config the ledger cannot account, say), not a gRPC error's repr."""
+    from aggregator_service.engine import RunRefused
+
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not refused_as_busy(err):
+        return _budget_exhausted(err.details())
+    return RunRefused(f"the privacy service refused {call} ({err.code().name}): {err.details()}")
 
 
 class RemotePrivacy:
@@ -202,7 +214,10 @@ class RemotePrivacy:
         self.channel.close()
 
     def start(self, run_id: str, config: ExperimentConfig) -> None:
-        self._call(self.stub.RegisterBudget, _budget_request(run_id, config))
+        try:
+            self._call(self.stub.RegisterBudget, _budget_request(run_id, config))
+        except grpc.RpcError as err:
+            raise _privacy_refusal(err, "the run's budget") from err
 
     def authorize_round(
         self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int], population: int
@@ -221,9 +236,7 @@ class RemotePrivacy:
         try:
             reply = self._call(self.stub.AuthorizeRound, request)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise _budget_exhausted(err.details()) from err
-            raise
+            raise _privacy_refusal(err, f"round {round_number}") from err
         if reply.replayed:
             log.info("round %d of run %s was already recorded (a retried call); nothing added", round_number, run_id)
         return reply.max_epsilon
@@ -277,13 +290,16 @@ class LocalPrivacy:
     def authorize_round(
         self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int], population: int
     ) -> float:
-        from privacy_service.ledger import BudgetExceeded
+        from aggregator_service.engine import RunRefused
+        from privacy_service.ledger import BudgetExceeded, LedgerError
 
         try:
             events = round_events(config, selected, population)
             return self.ledger.authorize_round(run_id, round_number, events).max_epsilon
         except BudgetExceeded as err:
             raise _budget_exhausted(str(err)) from err
+        except (LedgerError, ValueError) as err:  # what the privacy service answers with a status
+            raise RunRefused(f"the privacy ledger refused round {round_number}: {err}") from err
 
 
 def _budget_request(run_id: str, config: ExperimentConfig) -> privacy_pb2.RegisterBudgetRequest:

@@ -42,6 +42,7 @@ from fairfl.rpc import (
     add_transport_arguments,
     configure_logging,
     open_channel,
+    refused_as_busy,
     transport_from_args,
 )
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
@@ -63,8 +64,9 @@ MAX_TASKS_PER_POLL = 64
 # several of latency for the default preset's 800 KB update. Bigger ones are streamed in chunks.
 UPLOAD_BYTES = CHUNK_BYTES
 STOP_GRACE_S = 10.0  # how long a stopping agent waits for its last result to be answered
-# A result call refused with RESOURCE_EXHAUSTED was turned away at the door (the caller's share of calls, the server's
-# capacity or the rate limit; docs/security.md) and nothing of it was accepted: it is sent again after these pauses.
+# A result call refused as busy was turned away at the door (the caller's share of calls, the server's capacity or the
+# rate limit: fairfl.rpc.refused_as_busy, docs/security.md) and nothing of it was read: it is sent again after these
+# pauses.
 BUSY_RETRY_PAUSES_S = (0.05, 0.2, 0.8, 2.0)
 FETCH_STREAMS = codec.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
 
@@ -393,9 +395,9 @@ class Agent:
         self._in_flight.append(submission)
 
     def _retry_busy(self, submission: _Submission, err: grpc.RpcError) -> bool:
-        """Send a result again that the aggregator turned away as busy (RESOURCE_EXHAUSTED: refused before it was
-        read), after a pause; False once the pauses are used up. It is the next in flight to be answered."""
-        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or submission.retries >= len(BUSY_RETRY_PAUSES_S):
+        """Send a result again that the aggregator turned away as busy (refused before it was read), after a pause;
+        False for any other refusal and once the pauses are used up. It is the next in flight to be answered."""
+        if not refused_as_busy(err) or submission.retries >= len(BUSY_RETRY_PAUSES_S):
             return False
         assert submission.reopen is not None
         pause = BUSY_RETRY_PAUSES_S[submission.retries]

@@ -4,6 +4,7 @@ file; and the distributed DP path against the in-process oracle (seeded DP rando
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sqlite3
 import subprocess
@@ -182,6 +183,28 @@ def test_cli_refuses_a_noise_multiplier_outside_the_sound_range(transport: str, 
     assert "privacy.noise_multiplier: must be in [0.3, 10000]" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / "run").exists()  # refused at load: nothing started, nothing written
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("transport", "said"), [("inprocess", "ConfigError: privacy.noise_multiplier"), ("grpc", "")])
+def test_cli_fails_a_run_the_ledger_cannot_resolve_with_its_reason(transport: str, said: str, tmp_path: Path) -> None:
+    """σ and q inside the sound range whose rounds the accountant still rounds to ε = 0: the config loads, and the run
+    fails before round 1 with the ledger's reason (in-process: naming the fields; over gRPC: the privacy service's
+    words, not a gRPC error's repr), no traceback in the output or the services' logs."""
+    command = [sys.executable, "-m", "fairfl.cli", "run", "experiments/quickstart.yaml", "--transport", transport]
+    command += ["--rounds", "2", "--output", str(tmp_path / "run"), "--set", "privacy.enabled=true"]
+    for s in ("noise_multiplier=9000", "loss_noise_multiplier=9000", "sample_rate=0.001", "epsilon=1.0"):
+        command += ["--set", f"privacy.{s}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "RUN_STATE_FAILED" in output and "gives ε = 0.0" in output and said in output, output
+    assert "_InactiveRpcError" not in output
+    logs = [p.read_text() for p in (tmp_path / "run").rglob("*.log")]
+    assert "Traceback" not in output + "".join(logs)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["rounds_completed"] == 0
 
 
 def test_in_process_ledger_refuses_an_unaccountable_run_before_round_1() -> None:

@@ -27,6 +27,9 @@ class FakeContext:
         self.code: grpc.StatusCode | None = None
         self.details = ""
 
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata  # the refusal's reason, as a real context sends it
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details
         raise Aborted(details)

@@ -4,6 +4,7 @@ bounds the server carries, FedFDP with λ = 0 against DP-FedAvg, client-level DP
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,30 @@ def test_remote_privacy_enforces_and_replays(tmp_path: Path) -> None:
 
         with pytest.raises(RunStopped, match="privacy budget exhausted: round 3 of run 'r' refused"):
             gate.authorize_round("r", 3, config, [0, 1, 2, 3], 4)
+        assert server.ledger is not None and server.ledger.rounds_recorded("r") == 2
+        gate.channel.close()
+    finally:
+        server.stop(0)
+
+
+def test_remote_privacy_retries_a_busy_refusal_and_never_takes_it_for_a_spent_budget(tmp_path: Path) -> None:
+    """The privacy service's access guard answers RESOURCE_EXHAUSTED when a caller is over its rate or share, as the
+    ledger does for a spent budget; the reason it names (fairfl.rpc.REFUSAL_KEY) tells them apart: the gate retries
+    a busy refusal and the round is recorded, where a spent budget would stop the run."""
+    from fairfl.rpc import AccessPolicy
+    from privacy_service.server import serve
+
+    authorize = "/fairfl.v1.Privacy/AuthorizeRound"
+    busy = AccessPolicy(rate_limited=frozenset({authorize}), rate=2.0, burst=1)  # the second call waits ~0.5 s
+    server = serve("127.0.0.1:0", str(tmp_path / "ledger.sqlite"), policy=busy)
+    try:
+        config = experiment_from_dict(dp_config(rounds=5))
+        gate = RemotePrivacy(f"127.0.0.1:{server.port}")
+        gate.start("r", config)
+        started = time.monotonic()
+        gate.authorize_round("r", 1, config, [0, 1, 2, 3], 4)
+        gate.authorize_round("r", 2, config, [0, 1, 2, 3], 4)  # refused as rate_limited at first, then recorded
+        assert time.monotonic() - started >= 0.3  # it did wait for the rate limit
         assert server.ledger is not None and server.ledger.rounds_recorded("r") == 2
         gate.channel.close()
     finally:

@@ -261,6 +261,9 @@ class _Context:
     def auth_context(self) -> dict[str, list[bytes]]:
         return {}
 
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata  # the refusal's reason, as a real context sends it
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Aborted(code, details)
 

@@ -20,7 +20,7 @@ import client_agent.agent as agent_module
 from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
 from client_agent.agent import Agent
 from client_agent.trainer import ClientRuntime
-from fairfl import codec
+from fairfl import codec, rpc
 from fairfl.protocol import TRAIN, UPDATE, ClientResult, encode_result, encode_upload, parse_result_upload
 from fairfl.v1 import federation_pb2, federation_pb2_grpc
 from tests.unit.test_dp_sgd import synthetic_runtime
@@ -160,6 +160,9 @@ class _Context:
     def __init__(self, principal: str) -> None:
         self.principal = principal
 
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata  # the refusal's reason, as a real context sends it
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Aborted(code, details)
 
@@ -205,22 +208,23 @@ class _BusyAggregator(_Aggregator):
     """Turns the first `busy` result calls away with RESOURCE_EXHAUSTED, as the aggregator's access guard does when
     the caller's share of calls is taken; takes the rest."""
 
-    def __init__(self, busy: int) -> None:
+    def __init__(self, busy: int, reason: str) -> None:
         super().__init__(uploads=True)
         self.busy = busy
+        self.reason = reason
         self.calls = 0
 
     def UploadResult(self, request: federation_pb2.ResultUpload, context: grpc.ServicerContext):
         self.calls += 1
         if self.calls <= self.busy:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "at most 30 calls at a time per caller")
+            rpc.refuse(context, "fairfl.v1.Federation", self.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
         return super().UploadResult(request, context)
 
 
-@pytest.mark.parametrize("busy", [2, 99])
-def test_a_result_turned_away_as_busy_is_sent_again(busy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("busy", "reason"), [(2, "concurrency"), (2, "rate_limited"), (99, "capacity"), (1, "size")])
+def test_a_result_turned_away_as_busy_is_sent_again(busy: int, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_module, "BUSY_RETRY_PAUSES_S", (0.01, 0.01, 0.01))
-    aggregator = _BusyAggregator(busy)
+    aggregator = _BusyAggregator(busy, reason)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     federation_pb2_grpc.add_FederationServicer_to_server(aggregator, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -235,7 +239,9 @@ def test_a_result_turned_away_as_busy_is_sent_again(busy: int, monkeypatch: pyte
     finally:
         agent.channel.close()
         server.stop(None)
-    if busy == 2:  # refused twice, accepted the third time: delivered once
+    if reason == "size":  # RESOURCE_EXHAUSTED, but not busy: sending the same again would not help
+        assert aggregator.calls == 1 and aggregator.uploads == [] and agent.tasks_done == 0
+    elif busy == 2:  # refused twice, accepted the third time: delivered once
         assert aggregator.calls == 3 and len(aggregator.uploads) == 1 and agent.tasks_done == 1
     else:  # still busy after every pause: given up on, as any other refusal (the round goes on without it)
         assert aggregator.calls == 4 and aggregator.uploads == [] and agent.tasks_done == 0

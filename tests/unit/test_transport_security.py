@@ -224,6 +224,9 @@ class _PlaintextContext:
     def auth_context(self) -> dict[str, list[bytes]]:
         return {}
 
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata  # the refusal's reason, as a real context sends it
+
     def abort(self, code: object, details: str) -> None:
         raise _Aborted(code, details)
 
