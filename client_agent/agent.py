@@ -222,6 +222,10 @@ class Agent:
                     timeout=self.poll_wait + SHORT_DEADLINE,
                 )
             except grpc.RpcError as err:
+                if refused_as_busy(err):  # over this certificate's share of calls: still registered, ask again soon
+                    log.info("poll refused as busy (%s); polling again shortly", err.details())
+                    self.stop.wait(random.uniform(0.2, 1.0))
+                    continue
                 # The aggregator restarted or is unreachable: register again (its clients resume with this agent).
                 log.warning("poll failed (%s: %s); re-registering", err.code().name, err.details())
                 self.agent_id = ""
@@ -316,7 +320,16 @@ class Agent:
             return self._fetch_blob(request, timeout=TRANSFER_DEADLINE)  # the call itself: a failed fetch cancels it
 
         self._make_room()
-        flat = self._receive_model(open_range, ref.total_bytes, ref.sha256, next(iter(self.runtimes.values())))
+        runtime = next(iter(self.runtimes.values()))
+        for pause in (*BUSY_RETRY_PAUSES_S, None):
+            try:
+                flat = self._receive_model(open_range, ref.total_bytes, ref.sha256, runtime)
+                break
+            except grpc.RpcError as err:  # a fetch refused as busy read nothing: fetch again after a pause
+                if pause is None or not refused_as_busy(err):
+                    raise
+                log.info("model fetch refused as busy (%s); fetching again in %.2fs", err.details(), pause)
+                time.sleep(pause)
         self.models[ref.sha256] = flat
         return flat
 

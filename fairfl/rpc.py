@@ -108,12 +108,16 @@ HEALTH_BIND_ENV = "FAIRFL_HEALTH_BIND"
 MAX_IN_FLIGHT_ENV = "FAIRFL_MAX_IN_FLIGHT"
 IDLE_TIMEOUT_ENV = "FAIRFL_IDLE_TIMEOUT"
 
-# A call whose handler waits this long for the caller's next message (the first included) is cancelled: FairFL's
-# agents send without pauses, so only a stalled or hostile caller waits that long, and it would hold a worker thread.
-IDLE_TIMEOUT_S = 30.0
+# A call whose handler waits this long for the caller's next message (the first included), or for the caller to read
+# a response, is cancelled: FairFL's agents send and read without pauses, so only a stalled or hostile caller waits
+# that long, and it would hold a worker thread. A message is seen only once it has fully arrived, so the timeout is
+# also the slowest link a 2 MiB chunk may take: 120 s is about 17 KB/s per stream.
+IDLE_TIMEOUT_S = 120.0
 # Health checks on a service's main port run on threads of their own, so no caller's calls can starve them; one caller
 # may run at most HEALTH_PER_CALLER of them at once, so a thread always stays free for the others.
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# A health Watch holds a worker for as long as the caller keeps it open (FairFL itself never watches): one per caller.
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 HEALTH_WORKERS = 4
 HEALTH_PER_CALLER = 2
 DEFAULT_WORKERS = 32  # a server's worker threads unless it says otherwise (the aggregator does: --max-workers)
@@ -498,7 +502,7 @@ class IdleWatch:
                         wake = deadline
             for call in due:  # outside the lock: cancelling enters grpc
                 try:
-                    call.expire()
+                    call.expire(now)
                 except Exception:  # one call's failure must not end the watch of all the others
                     log.exception("cancelling an idle call failed")
             sleep = max(wake - time.monotonic(), 0.0)
@@ -508,7 +512,7 @@ class _Requests:
     """A call's request messages as its handler reads them: each wait for one is watched (IdleWatch), and one that
     could not be read refuses the call. Also carries the call's in-flight slot."""
 
-    __slots__ = ("context", "deadline", "expired", "key", "messages", "route")
+    __slots__ = ("context", "deadline", "expired", "key", "messages", "route", "sending")
 
     def __init__(self, messages: Iterator[Any], context: grpc.ServicerContext, route: _Route, key: str) -> None:
         self.messages = messages
@@ -517,6 +521,7 @@ class _Requests:
         self.key = key  # the caller's in-flight slot
         self.deadline = 0.0  # while the handler waits for a message: when the caller must have sent it (monotonic)
         self.expired = False  # cancelled by the idle watch (counted there)
+        self.sending = False  # the deadline is for the caller to read a response, not to send a request
 
     def __iter__(self) -> _Requests:
         return self
@@ -561,12 +566,16 @@ class _Requests:
         over = threading.Event()
         return not self.context.add_callback(over.set) or over.wait(CALL_END_GRACE_S) or not self.context.is_active()
 
-    def expire(self) -> None:
-        """Idle too long (called by the IdleWatch thread): count it and end the call; its waiting handler wakes up."""
+    def expire(self, now: float) -> None:
+        """Idle too long (called by the IdleWatch thread): count it and end the call; its waiting handler wakes up.
+        Nothing happens when the call moved on since the watch looked (its message arrived, or was read)."""
+        deadline = self.deadline
+        if deadline == 0.0 or deadline > now:
+            return
         self.expired = True
         route = self.route
         telemetry.REQUESTS_REFUSED.labels(route.service, "idle").inc()
-        message = route.idle_message()
+        message = route.idle_message(self.sending)
         self.context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)  # what the metrics see, whatever the handler does
         self.context.set_details(message)
         _cancel(self.context, grpc.StatusCode.DEADLINE_EXCEEDED, message)
@@ -583,6 +592,7 @@ class _Route:
         self.roles = guard.policy.roles.get(self.service)
         self.health = method == HEALTH_CHECK
         self.lane = guard.health_calls if self.health else guard.calls
+        self.watches = guard.watches if method == HEALTH_WATCH else None  # also in `lane`: a call like any other
         self.limiter = guard.limiter if method in guard.policy.rate_limited else None
         self.idle = guard.idle
         self.timeout = guard.idle.timeout
@@ -637,7 +647,7 @@ class _Route:
         def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             reading = self.enter(requests, context)
             try:
-                yield from behavior(reading.one(), context)
+                yield from self.responses(reading, behavior(reading.one(), context))
             finally:
                 self.leave(reading)
 
@@ -649,11 +659,21 @@ class _Route:
         def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             reading = self.enter(requests, context)
             try:
-                yield from behavior(reading, context)
+                yield from self.responses(reading, behavior(reading, context))
             finally:
                 self.leave(reading)
 
         return run
+
+    def responses(self, reading: _Requests, responses: Iterable[Any]) -> Iterator[Any]:
+        """`responses`, watched while each is sent: suspended at its yield, the handler waits for gRPC to send it, and
+        gRPC for the caller to read (HTTP/2 flow control), so a caller that stops reading would hold the thread."""
+        for response in responses:
+            reading.sending = True
+            reading.deadline = time.monotonic() + self.timeout
+            yield response
+            reading.deadline = 0.0
+            reading.sending = False
 
     def enter(self, requests: Iterator[Any], context: grpc.ServicerContext) -> _Requests:
         """Admit the caller (or refuse: raises) and start watching the call."""
@@ -665,6 +685,8 @@ class _Route:
         """The call ended: free its slot, and count it when it ended refused without having been counted."""
         self.idle.discard(reading)
         self.lane.leave(reading.key)
+        if self.watches is not None:
+            self.watches.leave(reading.key)
         code = reading.context.code()
         if code is None or code is grpc.StatusCode.OK or reading.expired or _COUNTED.get():
             return
@@ -699,6 +721,16 @@ class _Route:
         reason = self.lane.enter(key)
         if reason:
             refuse(context, self.service, reason, grpc.StatusCode.RESOURCE_EXHAUSTED, self.busy_message(reason))
+        if self.watches is not None and (reason := self.watches.enter(key)):
+            self.lane.leave(key)
+            refuse(
+                context,
+                self.service,
+                reason,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Watch refused: at most {self.watches.per_caller} health watch per caller and "
+                f"{self.watches.total} in all (each holds a thread while open); use Check",
+            )
         return key
 
     def busy_message(self, reason: str) -> str:
@@ -727,7 +759,12 @@ class _Route:
             f"{self.method}: a request message could not be parsed as this method's request",
         )
 
-    def idle_message(self) -> str:
+    def idle_message(self, sending: bool = False) -> str:
+        if sending:
+            return (
+                f"{self.name}: the caller read no response for {self.idle.timeout:g} s, so the server cancelled the "
+                "call; read a stream's responses as they come"
+            )
         return (
             f"{self.name}: no message from the caller for {self.idle.timeout:g} s, so the server cancelled the call; "
             "send without pauses, or open the call when the data is ready"
@@ -750,6 +787,7 @@ class AccessInterceptor(grpc.ServerInterceptor):
         self.limiter = RateLimiter(policy.rate, policy.burst) if policy.rate > 0 else None
         self.calls = InFlight(self.limits.per_caller, self.limits.total)
         self.health_calls = InFlight(HEALTH_PER_CALLER, HEALTH_WORKERS - 1)
+        self.watches = InFlight(1, self.limits.reserved)
         self.health_pool = futures.ThreadPoolExecutor(HEALTH_WORKERS, thread_name_prefix="grpc-health")
         self.idle = IdleWatch(policy.idle_timeout)
         self.handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}

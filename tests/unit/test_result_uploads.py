@@ -246,3 +246,48 @@ def test_a_result_turned_away_as_busy_is_sent_again(busy: int, reason: str, monk
     else:  # still busy after every pause: given up on, as any other refusal (the round goes on without it)
         assert aggregator.calls == 4 and aggregator.uploads == [] and agent.tasks_done == 0
     assert not agent._in_flight
+
+
+class _BusyPolls(federation_pb2_grpc.FederationServicer):
+    """Registers the agent, turns its first polls away as busy, then stops it through its third poll."""
+
+    def __init__(self, agent: list[Agent]) -> None:
+        self.agent = agent
+        self.registered = 0
+        self.polls = 0
+
+    def Register(self, request: federation_pb2.RegisterRequest, context: grpc.ServicerContext):
+        self.registered += 1
+        return federation_pb2.RegisterReply(agent_id=f"a{self.registered}", poll_wait_seconds=0.1)
+
+    def Heartbeat(self, request: federation_pb2.HeartbeatRequest, context: grpc.ServicerContext):
+        return federation_pb2.HeartbeatReply(known=True)
+
+    def PollTasks(self, request: federation_pb2.PollRequest, context: grpc.ServicerContext):
+        self.polls += 1
+        if self.polls <= 2:
+            rpc.refuse(context, "fairfl.v1.Federation", "concurrency", grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+        self.agent[0].stop.set()
+        return federation_pb2.PollReply()
+
+
+def test_a_poll_turned_away_as_busy_is_asked_again_without_registering_again() -> None:
+    holder: list[Agent] = []
+    aggregator = _BusyPolls(holder)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    federation_pb2_grpc.add_FederationServicer_to_server(aggregator, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    agent = Agent(f"127.0.0.1:{port}", [0], device="cpu")
+    holder.append(agent)
+    runner = threading.Thread(target=agent.run)
+    try:
+        runner.start()
+        runner.join(15)
+        assert not runner.is_alive()
+    finally:
+        agent.stop.set()
+        agent.channel.close()
+        server.stop(None)
+    assert (aggregator.polls, aggregator.registered) == (3, 1)  # busy is no reason to register again
+    assert agent.agent_id == "a1"

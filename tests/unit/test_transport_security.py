@@ -32,6 +32,7 @@ from fairfl.rpc import (
     server_limits,
     start_server,
 )
+from fairfl.v1 import tensor_pb2
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +294,7 @@ class _WatchedCall:
         self.expired = False
         self.expired_at = threading.Event()
 
-    def expire(self) -> None:
+    def expire(self, now: float) -> None:
         self.expired = True
         self.expired_at.set()
 
@@ -334,10 +335,17 @@ def _guard_service(server: grpc.Server) -> list[str]:
     def upload(requests: Iterator[Req], context: grpc.ServicerContext) -> Rep:
         return Rep(status=Rep.SERVING if sum(1 for _ in requests) else Rep.NOT_SERVING)
 
+    def download(request: Req, context: grpc.ServicerContext) -> Iterator[tensor_pb2.Chunk]:
+        for _ in range(64):  # 64 MiB: far more than HTTP/2 flow control lets out before the caller reads
+            yield tensor_pb2.Chunk(data=bytes(1024 * 1024))
+
     codec_ = {"request_deserializer": Req.FromString, "response_serializer": Rep.SerializeToString}
     handlers = {
         "Unary": grpc.unary_unary_rpc_method_handler(unary, **codec_),
         "Upload": grpc.stream_unary_rpc_method_handler(upload, **codec_),
+        "Download": grpc.unary_stream_rpc_method_handler(
+            download, request_deserializer=Req.FromString, response_serializer=tensor_pb2.Chunk.SerializeToString
+        ),
     }
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(GUARD, handlers)])
     return [GUARD]
@@ -438,3 +446,34 @@ def test_guard_caps_a_caller_cancels_idle_calls_and_keeps_health_answering() -> 
     assert running.guard is not None
     running.guard.idle.thread.join(2.0)
     assert not running.guard.idle.thread.is_alive(), "the idle watch ends with its server"
+
+
+def test_guard_cancels_a_stream_whose_caller_stops_reading_and_caps_health_watches() -> None:
+    """A caller that reads one message of a download and then nothing holds the handler in gRPC's send (flow control):
+    the idle watch cancels it and frees its slot. A health Watch holds a thread while open: one per caller."""
+    running = start_server("127.0.0.1:0", _guard_service, max_workers=8, policy=AccessPolicy(idle_timeout=0.5))
+    idle_before = _refused("idle")
+    try:
+        with rpc.open_channel(f"127.0.0.1:{running.port}") as channel:
+            download = channel.unary_stream(f"/{GUARD}/Download")(Req().SerializeToString(), timeout=30)
+            assert len(tensor_pb2.Chunk.FromString(next(download)).data) == 1024 * 1024  # then it reads no more
+            assert running.guard is not None
+            deadline = time.monotonic() + 10
+            while running.guard.calls.running and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert running.guard.calls.running == 0, "the stalled download still holds its thread"
+            assert _refused("idle") - idle_before == 1
+            with pytest.raises(grpc.RpcError) as cancelled:
+                for _ in download:  # what the caller finds when it reads again: the call was ended
+                    pass
+            assert cancelled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "read no response for 0.5 s" in (cancelled.value.details() or "")
+
+            health = health_pb2_grpc.HealthStub(channel)
+            first = health.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+            assert next(first).status == Rep.SERVING
+            code, details = _code(lambda **kw: next(health.Watch(health_pb2.HealthCheckRequest(), **kw)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "health watch per caller" in details
+            first.cancel()
+    finally:
+        running.stop(0)
