@@ -267,13 +267,20 @@ def test_cross_check_agrees_at_the_presets_settings() -> None:
     [
         # PLD's grid swamps a per-step loss this small: 0.086 against the RDP bound 0.0086
         ([EventSpec(0.01, 1000.0, 10**5)], "RDP and PLD disagree"),
-        # PLD resolves nothing (ε = 0) where RDP gives 0.0195: not a spend the ledger can state
-        ([EventSpec(1e-4, 5.0, 1)], "PLD accountant gives ε = 0"),
+        # RDP's bound collapses to ε = 0 here: the ledger could state no spend
+        ([EventSpec(1e-5, 1.0, 1)], "RDP accountant gives ε = 0"),
     ],
 )
 def test_cross_check_refuses_a_disagreement(events: list[EventSpec], match: str) -> None:
     with pytest.raises(UnsoundAccounting, match=match):
         cross_check(events, DELTA)
+
+
+def test_cross_check_accepts_pld_at_zero_below_a_positive_rdp_bound() -> None:
+    # One step at q = 1e-4, σ = 5 (or q = δ) is (0, δ)-DP, which PLD finds and RDP's looser bound (0.0195) cannot.
+    for event in (EventSpec(1e-4, 5.0, 1), EventSpec(DELTA, 0.3, 1)):
+        rdp, pld = cross_check([event], DELTA)
+        assert rdp > 0 and pld == 0.0
 
 
 def test_searches_are_bounded_by_the_sound_range() -> None:

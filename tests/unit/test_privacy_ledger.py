@@ -306,7 +306,7 @@ def _state(led: SqliteLedger) -> tuple[list[tuple[object, ...]], ...]:
         (Event("c9", "gradient", 0.05, 2.0, 10**6 + 1), ValueError, r"events\[6\].count must be at most 1000000"),
         # In range, but below what the accountants resolve: ε = 0, refused rather than recorded.
         (Event("c9", "gradient", 0.001, 9000.0, 11), UnsoundAccounting, r"gives ε = 0\.0"),
-        (Event("c9", "model", 1e-4, 5.0, 1), UnsoundAccounting, r"PLD accountant gives ε = 0\.0"),
+        (Event("c9", "model", 1e-5, 1.0, 1), UnsoundAccounting, r"gives ε = 0\.0"),
     ],
 )
 def test_unaccountable_round_is_refused_and_changes_nothing(
@@ -365,3 +365,20 @@ def test_recorded_events_outside_the_range_make_spend_a_precondition_failure(tmp
     with pytest.raises(UnaccountableRun, match="recorded events cannot be accounted"):
         led.spend("run")
     led.close()
+
+
+def test_a_round_pld_finds_zero_below_the_rdp_bound_is_recorded_at_the_rdp_bound() -> None:
+    """One step at q = 1e-4, σ = 5 is (0, δ)-DP by PLD and 0.0195 by RDP's looser bound: an RDP ledger records the
+    bound; a PLD ledger, whose own number would be 0, refuses it."""
+    rdp_ledger, pld_ledger = InMemoryLedger(), InMemoryLedger()
+    register(rdp_ledger, accountant="rdp")
+    register(pld_ledger, accountant="pld")
+    event = Event("c9", "model", 1e-4, 5.0, 1)
+    rdp_ledger.authorize_round("run", 0, [event])
+    (spent,) = rdp_ledger.spend("run", "c9")
+    assert spent.epsilon == pytest.approx(epsilon([EventSpec(1e-4, 5.0, 1)], DELTA)[0]) and spent.epsilon > 0
+    with pytest.raises(UnsoundAccounting, match=r"PLD accountant gives ε = 0\.0"):
+        pld_ledger.authorize_round("run", 0, [event])
+    assert pld_ledger.rounds_recorded("run") == 0
+    rdp_ledger.close()
+    pld_ledger.close()
