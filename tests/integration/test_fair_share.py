@@ -13,7 +13,6 @@ certificate's registrations stop at MAX_AGENTS_PER_IDENTITY while they are live.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,6 +75,16 @@ def _stalled(stub: federation_pb2_grpc.FederationStub, n: int, release: threadin
     return [stub.SubmitResult.future(silent(), timeout=60) for _ in range(n)]
 
 
+def _co_host(stub: federation_pb2_grpc.FederationStub, name: str, client_id: int) -> tuple[Code, str]:
+    """Register a co-hosting agent `name` for `client_id`: the status and details of the answer."""
+    request = federation_pb2.RegisterRequest(agent_name=name, client_ids=[client_id], device="cpu", shared=True)
+    try:
+        stub.Register(request, timeout=10)
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    return Code.OK, ""
+
+
 def _codes(calls: list[grpc.Future], timeout: float) -> list[Code]:
     return [call.exception(timeout=timeout).code() for call in calls]
 
@@ -108,17 +117,7 @@ def test_one_certificate_cannot_stall_the_aggregator(tmp_path) -> None:
                 assert all("per caller" in s.exception().details() for s in refused)
 
                 # -- the hostile certificate churns Register while the honest one registers and checks health
-                def register(i: int) -> tuple[Code, str]:
-                    request = federation_pb2.RegisterRequest(
-                        agent_name=f"hostile-{i}", client_ids=[i % 10], device="cpu", shared=True
-                    )
-                    try:
-                        hostile.Register(request, timeout=10)
-                    except grpc.RpcError as err:
-                        return err.code(), err.details() or ""
-                    return Code.OK, ""
-
-                churned = [churn.submit(register, i) for i in range(100)]
+                churned = [churn.submit(_co_host, hostile, f"hostile-{i}", i % 10) for i in range(100)]
                 latencies: dict[str, list[float]] = {"Register": [], "Check": []}
                 for i in range(3):
                     request = federation_pb2.RegisterRequest(
@@ -188,12 +187,8 @@ class _Hostile:
     def _churn(self) -> None:
         i = 0
         while not self.stopped.is_set():
-            request = federation_pb2.RegisterRequest(
-                agent_name=f"churn-{i}", client_ids=[100 + i % 100], device="cpu", shared=True
-            )
-            with contextlib.suppress(grpc.RpcError):  # over its share or rate: refused, as it should be
-                self.stub.Register(request, timeout=10)
-                self.registered += 1
+            code, _ = _co_host(self.stub, f"churn-{i}", 100 + i % 100)  # over its share or rate: refused, as it should
+            self.registered += code == Code.OK
             i += 1
 
     def stop(self) -> None:
@@ -255,18 +250,8 @@ def test_one_certificate_holds_a_bounded_number_of_registrations(tmp_path) -> No
             futures.ThreadPoolExecutor(8) as pool,
         ):
             stub = federation_pb2_grpc.FederationStub(channel)
-
-            def register(i: int) -> tuple[Code, str]:
-                request = federation_pb2.RegisterRequest(
-                    agent_name=f"churn-{i}", client_ids=[i % 10], device="cpu", shared=True
-                )
-                try:
-                    stub.Register(request, timeout=10)
-                except grpc.RpcError as err:
-                    return err.code(), err.details() or ""
-                return Code.OK, ""
-
-            answers = list(pool.map(register, range(MAX_AGENTS_PER_IDENTITY + extra)))
+            registrations = range(MAX_AGENTS_PER_IDENTITY + extra)
+            answers = list(pool.map(lambda i: _co_host(stub, f"churn-{i}", i % 10), registrations))
             other = federation_pb2_grpc.FederationStub(other_channel)
             took, reply = _timed(
                 other.Register, federation_pb2.RegisterRequest(agent_name="other", client_ids=[10], device="cpu")
