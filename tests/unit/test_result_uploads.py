@@ -5,6 +5,7 @@ tested against a real aggregator process in tests/integration/test_bad_input.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import threading
@@ -98,19 +99,27 @@ class _Aggregator(federation_pb2_grpc.FederationServicer):
         return federation_pb2.SubmitReply(accepted=True)
 
 
-@pytest.fixture(params=[True, False], ids=["uploads", "no-uploads"])
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[_Aggregator, Agent]]:
-    aggregator = _Aggregator(uploads=request.param)
+@contextlib.contextmanager
+def _agent_of(aggregator: federation_pb2_grpc.FederationServicer) -> Iterator[Agent]:
+    """An agent hosting client 0, talking to `aggregator` served on a loopback port; both closed afterwards."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     federation_pb2_grpc.add_FederationServicer_to_server(aggregator, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     agent = Agent(f"127.0.0.1:{port}", [0], device="cpu")
     try:
-        yield aggregator, agent
+        yield agent
     finally:
+        agent.stop.set()
         agent.channel.close()
         server.stop(None)
+
+
+@pytest.fixture(params=[True, False], ids=["uploads", "no-uploads"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[_Aggregator, Agent]]:
+    aggregator = _Aggregator(uploads=request.param)
+    with _agent_of(aggregator) as agent:
+        yield aggregator, agent
 
 
 def test_small_results_go_in_one_upload_and_fall_back_to_streams(served: tuple[_Aggregator, Agent]) -> None:
@@ -225,20 +234,12 @@ class _BusyAggregator(_Aggregator):
 def test_a_result_turned_away_as_busy_is_sent_again(busy: int, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_module, "BUSY_RETRY_PAUSES_S", (0.01, 0.01, 0.01))
     aggregator = _BusyAggregator(busy, reason)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    federation_pb2_grpc.add_FederationServicer_to_server(aggregator, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    agent = Agent(f"127.0.0.1:{port}", [0], device="cpu")
-    try:
+    with _agent_of(aggregator) as agent:
         runtime = synthetic_runtime()
         result = _result(runtime)
         size = runtime.layout.nbytes
         agent._hand_over(agent_module._Submission(result.task_id, "train", size), agent._open, result, runtime)
         agent._finish_submissions()
-    finally:
-        agent.channel.close()
-        server.stop(None)
     if reason == "size":  # RESOURCE_EXHAUSTED, but not busy: sending the same again would not help
         assert aggregator.calls == 1 and aggregator.uploads == [] and agent.tasks_done == 0
     elif busy == 2:  # refused twice, accepted the third time: delivered once
@@ -274,20 +275,11 @@ class _BusyPolls(federation_pb2_grpc.FederationServicer):
 def test_a_poll_turned_away_as_busy_is_asked_again_without_registering_again() -> None:
     holder: list[Agent] = []
     aggregator = _BusyPolls(holder)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    federation_pb2_grpc.add_FederationServicer_to_server(aggregator, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    agent = Agent(f"127.0.0.1:{port}", [0], device="cpu")
-    holder.append(agent)
-    runner = threading.Thread(target=agent.run)
-    try:
+    with _agent_of(aggregator) as agent:
+        holder.append(agent)
+        runner = threading.Thread(target=agent.run)
         runner.start()
         runner.join(15)
         assert not runner.is_alive()
-    finally:
-        agent.stop.set()
-        agent.channel.close()
-        server.stop(None)
     assert (aggregator.polls, aggregator.registered) == (3, 1)  # busy is no reason to register again
     assert agent.agent_id == "a1"
