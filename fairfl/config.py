@@ -7,9 +7,6 @@ are refused with the list of valid ones, so a typo never silently falls back to 
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,13 +23,7 @@ from fairfl.privacy import (
     SAMPLE_RATE_RANGE,
     out_of_sound_range,
 )
-
-
-class ConfigError(ValueError):
-    """An experiment config is invalid; the message names the field."""
-
-
-_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+from fairfl.schema import ConfigError, _at_least, _build, _join, _positive
 
 DEFAULT_LOCAL_STEPS = 10
 DATASET_CLASSES = {"fashion_mnist": 10, "mnist": 10, "cifar10": 10, "synthetic": 10}
@@ -482,87 +473,10 @@ class ExperimentConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _at_least(value: int, minimum: int, path: str) -> None:
-    if value < minimum:
-        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
-
-
-def _positive(value: float, path: str, allow_zero: bool = False) -> None:
-    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
-        raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'} and finite, got {value}")
-
-
 def _sound(value: float, bounds: tuple[float, float], path: str) -> None:
     why = out_of_sound_range(value, bounds)
     if why is not None:
         raise ConfigError(f"{path}: {why}")
-
-
-def _coerce(value: Any, hint: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, path)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, option, path)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {args}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return {str(k): _coerce(v, args[1], f"{path}.{k}") for k, v in value.items()}
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        # YAML 1.1 reads 1e-3 and 1.0e3 (no dot, or no exponent sign) as strings; whoever wrote them meant numbers.
-        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
-            return float(value)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{path}: unsupported config type {hint}")  # pragma: no cover - schema bug
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ConfigError(f"{_join(path, unknown[0])}: unknown field; valid fields here: {', '.join(names)}")
-    values = {name: _coerce(data[name], hints[name], _join(path, name)) for name in names if name in data}
-    return cls(**values)
 
 
 def _validate_tree(cfg: ExperimentConfig) -> None:
