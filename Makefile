@@ -16,7 +16,7 @@ help:
 	@echo "make monitor      make run, with a local Prometheus scraping every process (docs/observability.md)"
 	@echo "make test         run the test suite (unit + integration)"
 	@echo "make bench        run scripts/bench_*.py, write docs/benchmarks.md (BENCH_QUICK=1: smoke pass to runs/bench/)"
-	@echo "make lint         ruff check and format check"
+	@echo "make lint         ruff check, format check and the import-linter layer contracts (pyproject.toml)"
 	@echo "make protos       regenerate the gRPC stubs from protos/"
 	@echo "make setup        create $(VENV) and install dependencies and the dataset"
 
@@ -77,6 +77,7 @@ bench: setup
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
@@ -87,4 +88,4 @@ protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/fairfl/v1/*.proto
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .import_linter_cache

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -36,10 +36,42 @@ from fairfl import codec, telemetry
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
 from fairfl.v1 import checkpoint_pb2, control_pb2
 
-if TYPE_CHECKING:
-    from aggregator_service.engine import RoundEngine
-
 log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RoundEngine(Protocol):
+    """What a checkpoint saves of a run's engine and puts back (aggregator_service.engine.RoundEngine has it); a
+    protocol, so this module does not import the engine that imports it."""
+
+    @property
+    def config(self) -> ExperimentConfig: ...
+
+    @property
+    def strategy(self) -> Stateful: ...
+
+    @property
+    def dp(self) -> Stateful | None: ...
+
+    @property
+    def privacy(self) -> Any: ...  # the privacy gate; saved when it keeps state (the in-memory ledger)
+
+    @property
+    def selector(self) -> Any: ...
+
+    params: torch.Tensor
+    task_key: bytes
+    failed_rounds: int
+    round: int
+    completed_round: int
+    start_round: int
+    replay: tuple[int, list[int], int] | None
+
 
 FORMAT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pb"

@@ -1,4 +1,5 @@
-"""How the engine reaches the clustering service's Cluster call: over gRPC, or the same code in-process.
+"""How the engine reaches the clustering service's Cluster call: over gRPC (here), or the same code in-process
+(fairfl.compose.local_selection.LocalClusterer, injected by the composition layer: a service imports no other).
 
 Both take and return the protobuf messages and run `clustering_service.servicer.cluster_reply`, so a strategy gets
 the same clusters from either transport for the same request (the request carries the seed of k-means).
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import grpc
 
-from fairfl.rpc import SHORT_DEADLINE, open_channel
+from fairfl.rpc import SHORT_DEADLINE
+from fairfl.rpc_channel import open_channel
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc
 
 
@@ -16,15 +18,14 @@ class ClusteringFailed(RuntimeError):
     """The clustering service refused or could not serve a Cluster call; the message says why."""
 
 
-class LocalClusterer:
-    def __call__(self, request: clustering_pb2.ClusterRequest) -> clustering_pb2.ClusterReply:
-        from clustering_service.errors import InvalidInput
-        from clustering_service.servicer import cluster_reply
+class NoClusterer:
+    """The engine's clusterer when none was given: a strategy that asks for clusters fails with the reason."""
 
-        try:
-            return cluster_reply(request)
-        except InvalidInput as err:
-            raise ClusteringFailed(f"Cluster(run {request.run_id!r}) round {request.round}: {err}") from None
+    def __call__(self, request: clustering_pb2.ClusterRequest) -> clustering_pb2.ClusterReply:
+        raise ClusteringFailed(
+            f"round {request.round}: the strategy asked for clusters but this engine has no clustering peer "
+            "(the aggregator needs --clustering; in-process, pass fairfl.compose.local_selection.LocalClusterer())"
+        )
 
 
 class RemoteClusterer:

@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, train_results
+from fairfl import accounting as accountant
 from fairfl.config import ConfigError, ExperimentConfig
-from fairfl.privacy import check_randomness, dp_seed
+from fairfl.privacy import Budget, Event, check_randomness, dp_seed
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.strategy import AggregateOutcome, RoundContext, train_results
 from fairfl.v1 import federation_pb2
-from privacy_service import accountant
-from privacy_service.ledger import Budget, Event
 
 log = logging.getLogger(__name__)
 

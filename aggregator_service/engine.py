@@ -23,20 +23,27 @@ import numpy as np
 import torch
 
 from aggregator_service.checkpoint import RunCheckpointer
-from aggregator_service.clustering_peer import LocalClusterer
+from aggregator_service.clustering_peer import NoClusterer
 from aggregator_service.dp import DpController
 from aggregator_service.selection import SelectionDriver, Selector
-from aggregator_service.strategies import RoundContext, Strategy, build_strategy
-from aggregator_service.strategies.base import measures_client_losses, train_results
-from aggregator_service.strategies.fold import ResultFold
-from client_agent.trainer import build_global_model
 from fairfl import codec
 from fairfl.config import ConfigError, ExperimentConfig
 from fairfl.data.groups import client_groups
+from fairfl.fold import ResultFold
 from fairfl.metrics.fairness import fairness_report
+from fairfl.models import build_run_model, model_head
 from fairfl.params import ParamLayout, flatten_parameters
 from fairfl.privacy import dp_seed
 from fairfl.protocol import EVALUATE, PROBE, ClientResult
+from fairfl.strategy import (
+    PhasePlan,
+    RoundContext,
+    Strategy,
+    build_strategy,
+    load_strategy,
+    measures_client_losses,
+    train_results,
+)
 from fairfl.v1 import clustering_pb2, common_pb2, control_pb2, federation_pb2, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -53,21 +60,12 @@ def task_id(key: bytes, run_id: str, round_number: int, phase_index: int, client
     return hmac.new(key, message, hashlib.sha256).hexdigest()[:TASK_ID_HEX]
 
 
-def dataset_signature(config: ExperimentConfig) -> tuple[tuple[int, ...], int]:
-    """Input shape and class count of the configured dataset, known without loading it (the server has no data)."""
-    name = config.data.dataset
-    if name in ("fashion_mnist", "mnist"):
-        return (1, 28, 28), 10
-    if name == "cifar10":
-        return (3, 32, 32), 10
-    if name == "synthetic":
-        return (60,), 10
-    raise ValueError(f"no signature for dataset {name!r}")
-
-
-def initial_model(config: ExperimentConfig) -> tuple[ParamLayout, torch.Tensor]:
-    shape, classes = dataset_signature(config)
-    model = build_global_model(config, shape, classes)
+def initial_model(config: ExperimentConfig, head_for: str | None = None) -> tuple[ParamLayout, torch.Tensor]:
+    """The run's initial model, flat. `head_for` (who needs it): the model must expose its output layer and
+    penultimate features (fairfl.models.model_head), checked here, before round 1, not on the clients mid-run."""
+    model = build_run_model(config)  # from the dataset plug-in's declared signature: the server holds no data
+    if head_for is not None:
+        model_head(model, purpose=head_for)
     return ParamLayout.of(model), flatten_parameters(model)
 
 
@@ -189,15 +187,19 @@ class RoundEngine:
         self.privacy = privacy
         self.on_event = on_event
         self.stop = stop or threading.Event()
-        self.layout, self.params = initial_model(config)
+        # A strategy asking for penultimate activations (its declared client_signatures) needs the model's head.
+        signatures = load_strategy(config.strategy.name).client_signatures
+        activation = f"strategy {config.strategy.name}'s activation signatures" if "activation" in signatures else None
+        self.layout, self.params = initial_model(config, head_for=activation)
         # What the selection method needs from rounds (signatures, probes, updates); see aggregator_service.selection.
         self.selection = SelectionDriver(config, selector, self.layout.numel)
         self.strategy: Strategy = build_strategy(
             config.strategy.name, config.strategy.params, config.strategy.server_lr
         )
+        self._max_phases = self.strategy.max_phases  # read before a wrapper (monitoring's TimedStrategy) hides it
         self.round = 0
         # Strategies that cluster (Equitable-FL) call the clustering service through this; in-process by default.
-        self.clusterer = clusterer or LocalClusterer()
+        self.clusterer = clusterer or NoClusterer()  # composition injects one
         groups = client_groups(config.data.partition, config.data.group_sizes)
         self.true_groups = None if groups is None else {cid: int(g) for cid, g in enumerate(groups)}
         self._published: tuple[torch.Tensor, tensor_pb2.BlobRef] | None = None
@@ -210,7 +212,7 @@ class RoundEngine:
         self.replay: tuple[int, list[int], int] | None = None  # (round, selected, population) authorised pre-crash
         self.task_key = secrets.token_bytes(TASK_KEY_BYTES)  # task ids' MAC key; a resumed run gets its own back
         self.failed_rounds = 0  # consecutive rounds below runtime.min_completion
-        # Streaming aggregation (strategies/fold.py) unless something needs the round's updates whole: client-level
+        # Streaming aggregation (fairfl/fold.py) unless something needs the round's updates whole: client-level
         # DP clips each one at aggregation, and Clustered Sampling / DivFL bank every client's last update.
         self._streams = not (self.dp is not None and self.dp.client_level) and self.selection.bank is None
 
@@ -336,9 +338,27 @@ class RoundEngine:
         return {r.client_id: r.loss_before for r in outcome.results}
 
     def _run_round(self, round_number: int) -> None:
-        cfg = self.config
+        """select → authorise the spend → the strategy's exchanges → aggregate → evaluate → checkpoint and report."""
         started = time.monotonic()
         model_ref = self._publish_params()
+        selected, population, quorum, selection_seconds = self._select(round_number, model_ref)
+        epsilon = self._authorize(round_number, selected, population)
+        ctx = self._round_context(round_number, selected)
+        event = control_pb2.RoundEvent(
+            round=round_number, selected=selected, epsilon_spent=epsilon, selection_seconds=selection_seconds
+        )
+        phases, complete = self._exchange(ctx, model_ref, quorum, event)
+        self.selection.observe(self.run_id, train_results(phases))
+        if complete and phases:
+            self._aggregate(ctx, phases, event)
+        self._evaluate_if_due(round_number, event)
+        self._report_round(round_number, event, started)
+        self._check_failed_rounds(round_number, event)
+
+    def _select(self, round_number: int, model_ref: tensor_pb2.BlobRef) -> tuple[list[int], int, int, float]:
+        """The round's clients (a replayed selection after a restart), the live candidates they were drawn from, the
+        quorum k of results a phase needs, and the selection's seconds."""
+        cfg = self.config
         candidates = self._run_clients() or self._await_clients()
         quorum = min(cfg.selection.clients_per_round, len(candidates))  # k: results a round aggregates
         # Over-selection: select ceil(k(1 + o)) and close each phase at the first k results (docs/reliability.md).
@@ -354,13 +374,19 @@ class RoundEngine:
             lambda clients: self._probe_losses(round_number, clients, model_ref),
         )
         selected, population = self._replayed(round_number, selected, len(candidates))
+        return selected, population, quorum, selection_seconds
+
+    def _authorize(self, round_number: int, selected: list[int], population: int) -> float:
+        """Record the round's privacy events before any task leaves (a refusal stops the run); the ε spent so far."""
         # Write-ahead: the planned round is on disk before the ledger records it, so a crash in between re-runs this
         # same selection (a replay to the ledger) rather than asking it to authorise a different one.
         if self.checkpointer is not None:
             self.checkpointer.planned(round_number, selected, population)
-        # Records this round's privacy events before any task leaves; a refusal stops the run (RunStopped).
-        epsilon = self.privacy.authorize_round(self.run_id, round_number, cfg, selected, population)
-        ctx = RoundContext(
+        return self.privacy.authorize_round(self.run_id, round_number, self.config, selected, population)
+
+    def _round_context(self, round_number: int, selected: list[int]) -> RoundContext:
+        cfg = self.config
+        return RoundContext(
             self.run_id,
             round_number,
             self.params,
@@ -372,78 +398,114 @@ class RoundEngine:
             true_groups=self.true_groups,
             cluster=self.clusterer,
         )
-        event = control_pb2.RoundEvent(
-            round=round_number, selected=selected, epsilon_spent=epsilon, selection_seconds=selection_seconds
-        )
+
+    def _exchange(
+        self, ctx: RoundContext, model_ref: tensor_pb2.BlobRef, quorum: int, event: control_pb2.RoundEvent
+    ) -> tuple[list[list[ClientResult]], bool]:
+        """The strategy's phases, one after another, each planned from the results of the earlier ones: the results
+        of every phase that completed, and False when one fell below runtime.min_completion (the model is kept)."""
         phases: list[list[ClientResult]] = []
-        aggregated = True
         phase_index = 0
         while (plan := self.strategy.configure(ctx, phase_index, phases)) is not None:
+            if phase_index >= self._max_phases:
+                raise RuntimeError(
+                    f"strategy {self.config.strategy.name}: planned phase {phase_index + 1} of round {ctx.round}, "
+                    f"beyond its declared max_phases = {self._max_phases}"
+                )
             # A sampler may draw a client twice (Clustered Sampling); it trains once.
-            clients = plan.clients if plan.clients is not None else sorted(set(selected))
-
-            def fill(task: federation_pb2.Task, plan=plan) -> None:
-                if plan.train is not None:
-                    task.train.CopyFrom(plan.train)
-                if plan.probe is not None:
-                    task.probe.CopyFrom(plan.probe)
-                if self.dp is not None:
-                    self.dp.fill(task)
-
-            tasks = self._tasks(round_number, phase_index, plan.phase, clients, model_ref, fill)
-            folds = self.strategy.folds(ctx, phase_index, plan) if self._streams else []
-            sink = _folding(folds) if folds else None
-            if len(clients) > quorum:  # over-selected: the first k results close the phase
-                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s, quorum=quorum, on_result=sink)
-                selected = ctx.selected = [r.client_id for r in outcome.results]  # later phases: the first k
-            else:
-                outcome = self.transport.execute(tasks, cfg.runtime.round_timeout_s, on_result=sink)
-            if folds:
-                ctx.folds[phase_index] = folds
-            if self.stop.is_set():
-                raise RunStopped("stopped on request")
+            clients = plan.clients if plan.clients is not None else sorted(set(ctx.selected))
+            outcome = self._run_phase(ctx, phase_index, plan, clients, model_ref, quorum)
             event.results_accepted += len(outcome.results)
             event.results_rejected += outcome.rejected
-            needed = math.ceil(cfg.runtime.min_completion * min(len(clients), quorum))
-            if len(outcome.results) < needed:
-                log.warning(
-                    "round %d phase %d: %d of %d results (need %d); model kept",
-                    round_number,
-                    phase_index,
-                    len(outcome.results),
-                    len(clients),
-                    needed,
-                )
-                aggregated = False
+            if not self._phase_complete(ctx.round, phase_index, len(clients), quorum, outcome):
                 self.failed_rounds += 1
-                break
+                return phases, False
             phases.append(outcome.results)
             if self.dp is not None:
                 self.dp.observe(outcome.results)
             phase_index += 1
-        self.selection.observe(self.run_id, train_results(phases))
-        if aggregated and phases:
-            if self.dp is not None and self.dp.client_level:
-                outcome_agg = self.dp.aggregate(ctx, phases)
-            else:
-                outcome_agg = self.strategy.aggregate(ctx, phases)
-            if not codec.all_finite(outcome_agg.params):  # one sum, not an element-wise pass (1 GiB models)
-                raise RuntimeError(f"round {round_number}: aggregation produced non-finite parameters")
-            self.params = outcome_agg.params
-            self.failed_rounds = 0
-            event.aggregation_weights.extend(outcome_agg.weights[c] for c in sorted(outcome_agg.weights))
-            event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome_agg.metrics.items())
-            groups = self.true_groups or {}
-            event.clusters.extend(
-                control_pb2.ClientCluster(client_id=c, cluster=k, true_group=groups.get(c, -1))
-                for c, k in sorted(outcome_agg.clusters.items())
-            )
-            # DP clients withhold train_loss unless plaintext telemetry was asked for: mean over those that sent it.
-            losses = [r.metrics["train_loss"] for r in phases[-1] if "train_loss" in r.metrics]
-            event.mean_train_loss = float(np.mean(losses)) if losses else math.nan
+        return phases, True
+
+    def _run_phase(
+        self,
+        ctx: RoundContext,
+        phase_index: int,
+        plan: PhasePlan,
+        clients: list[int],
+        model_ref: tensor_pb2.BlobRef,
+        quorum: int,
+    ) -> PhaseOutcome:
+        """Dispatch one phase's tasks and collect its results, folded as they arrive where the strategy streams."""
+
+        def fill(task: federation_pb2.Task) -> None:
+            if plan.train is not None:
+                task.train.CopyFrom(plan.train)
+            if plan.probe is not None:
+                task.probe.CopyFrom(plan.probe)
+            if self.dp is not None:
+                self.dp.fill(task)
+
+        timeout = self.config.runtime.round_timeout_s
+        tasks = self._tasks(ctx.round, phase_index, plan.phase, clients, model_ref, fill)
+        folds = self.strategy.folds(ctx, phase_index, plan) if self._streams else []
+        sink = _folding(folds) if folds else None
+        if len(clients) > quorum:  # over-selected: the first k results close the phase
+            outcome = self.transport.execute(tasks, timeout, quorum=quorum, on_result=sink)
+            ctx.selected = [r.client_id for r in outcome.results]  # later phases: the first k
+        else:
+            outcome = self.transport.execute(tasks, timeout, on_result=sink)
+        if folds:
+            ctx.folds[phase_index] = folds
+        if self.stop.is_set():
+            raise RunStopped("stopped on request")
+        return outcome
+
+    def _phase_complete(
+        self, round_number: int, phase_index: int, tasked: int, quorum: int, outcome: PhaseOutcome
+    ) -> bool:
+        needed = math.ceil(self.config.runtime.min_completion * min(tasked, quorum))
+        if len(outcome.results) >= needed:
+            return True
+        log.warning(
+            "round %d phase %d: %d of %d results (need %d); model kept",
+            round_number,
+            phase_index,
+            len(outcome.results),
+            tasked,
+            needed,
+        )
+        return False
+
+    def _aggregate(self, ctx: RoundContext, phases: list[list[ClientResult]], event: control_pb2.RoundEvent) -> None:
+        """The new global model from the round's results (client-level DP aggregates itself), and what the round
+        event reports of it."""
+        if self.dp is not None and self.dp.client_level:
+            outcome = self.dp.aggregate(ctx, phases)
+        else:
+            outcome = self.strategy.aggregate(ctx, phases)
+        if not codec.all_finite(outcome.params):  # one sum, not an element-wise pass (1 GiB models)
+            raise RuntimeError(f"round {ctx.round}: aggregation produced non-finite parameters")
+        self.params = outcome.params
+        self.failed_rounds = 0
+        event.aggregation_weights.extend(outcome.weights[c] for c in sorted(outcome.weights))
+        event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome.metrics.items())
+        groups = self.true_groups or {}
+        event.clusters.extend(
+            control_pb2.ClientCluster(client_id=c, cluster=k, true_group=groups.get(c, -1))
+            for c, k in sorted(outcome.clusters.items())
+        )
+        # DP clients withhold train_loss unless plaintext telemetry was asked for: mean over those that sent it.
+        losses = [r.metrics["train_loss"] for r in phases[-1] if "train_loss" in r.metrics]
+        event.mean_train_loss = float(np.mean(losses)) if losses else math.nan
+
+    def _evaluate_if_due(self, round_number: int, event: control_pb2.RoundEvent) -> None:
+        """Every evaluation.every rounds, and on the last round (the budget's last, for DP runs)."""
+        cfg = self.config
         last = round_number == cfg.rounds or (self.dp is not None and round_number == self.dp.last_round)
         if round_number % cfg.evaluation.every == 0 or last:
             self._evaluate(round_number, event)
+
+    def _report_round(self, round_number: int, event: control_pb2.RoundEvent, started: float) -> None:
         late, duplicate = self.transport.refused_after_close(round_number)
         event.results_late += late
         event.results_rejected += duplicate
@@ -453,6 +515,9 @@ class RoundEngine:
         if self.checkpointer is not None:  # saved before anyone hears of the round: a reported round is never lost
             self.checkpointer.completed(self, event)
         self.on_event(control_pb2.RunEvent(run_id=self.run_id, round=event))
+
+    def _check_failed_rounds(self, round_number: int, event: control_pb2.RoundEvent) -> None:
+        cfg = self.config
         if self.failed_rounds >= cfg.runtime.max_failed_rounds:
             raise RuntimeError(
                 f"{self.failed_rounds} rounds in a row ended with fewer results than runtime.min_completion = "

@@ -17,12 +17,12 @@ from typing import Any
 from prometheus_client import Gauge
 
 from aggregator_service.engine import ClientTransport, PhaseOutcome, PrivacyGate, Selector
-from aggregator_service.strategies import AggregateOutcome, RoundContext, Strategy
 from fairfl import telemetry as t
 from fairfl.config import ExperimentConfig
 from fairfl.metrics.fairness import client_disagreement, psi, weight_entropy
 from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult
+from fairfl.strategy import AggregateOutcome, RoundContext, Strategy
 from fairfl.v1 import control_pb2, federation_pb2, tensor_pb2
 
 log = logging.getLogger(__name__)

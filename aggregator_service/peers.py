@@ -1,4 +1,5 @@
-"""How the engine reaches selection and privacy accounting: over gRPC (the services) or in-process (same code)."""
+"""How the engine reaches selection and privacy accounting over gRPC (the services). In-process selection runs the
+clustering service's code directly and lives in the composition layer (fairfl.compose.local_selection)."""
 
 from __future__ import annotations
 
@@ -12,49 +13,19 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from aggregator_service.dp import check_accountable, round_events, run_budget
-from aggregator_service.selection import SelectionContext, select_request, selection_input
-from clustering_service import SelectionOutput, StateStore, select
-from clustering_service.samplers import parse_method
-from clustering_service.servicer import signature_from_proto
-from fairfl.config import ExperimentConfig
-from fairfl.rpc import SHORT_DEADLINE, open_channel, refused_as_busy
+from aggregator_service.dp import round_events, run_budget
+from aggregator_service.selection import SelectionContext, select_request
+from fairfl.config import ConfigError, ExperimentConfig
+from fairfl.rpc import SHORT_DEADLINE
+from fairfl.rpc_channel import open_channel
+from fairfl.rpc_refusals import refused_as_busy
+from fairfl.sampling import SelectionOutput
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, privacy_pb2, privacy_pb2_grpc
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Selection and signature reports are idempotent per round: retried through a clustering-service restart this long.
 PEER_RETRY_S = 120.0
-
-
-class LocalSelector:
-    """The clustering service's samplers in-process: the same request (aggregator_service.selection) and the same
-    signature decoding as the service, so both transports select identically."""
-
-    def __init__(self, method: str) -> None:
-        self.method = parse_method(method)  # config names: random, full, hics, power_of_choice, clustered, divfl
-        self.store = StateStore()
-        self.latest: dict[tuple[str, int], clustering_pb2.ClientSignature] = {}  # (run, client): for checkpoints
-
-    def select(self, context: SelectionContext) -> SelectionOutput:
-        return select(self.method, selection_input(context), self.store.run(context.run_id))
-
-    def report_signatures(self, run_id: str, signatures: Sequence[clustering_pb2.ClientSignature]) -> None:
-        self.store.run(run_id).put([signature_from_proto(s) for s in signatures])
-        for sig in signatures:
-            old = self.latest.get((run_id, sig.client_id))
-            if old is None or sig.round >= old.round:
-                self.latest[(run_id, sig.client_id)] = sig
-
-    def state_dict(self) -> dict[str, Any]:
-        """The latest signature of every client (the store keeps nothing else), as in RemoteSelector.state_dict."""
-        cached = sorted(self.latest.items())
-        return {"signatures": [[run, np.frombuffer(s.SerializeToString(), dtype=np.uint8)] for (run, _), s in cached]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for run, raw in state.get("signatures", []):
-            sig = clustering_pb2.ClientSignature.FromString(np.asarray(raw, dtype=np.uint8).tobytes())
-            self.report_signatures(str(run), [sig])
 
 
 class RemoteSelector:
@@ -65,7 +36,7 @@ class RemoteSelector:
     cache is part of the aggregator's checkpoint."""
 
     def __init__(self, address: str, method: str, retry_s: float = PEER_RETRY_S) -> None:
-        self.method = int(parse_method(method))  # the enum mirrors fairfl.v1.SelectionMethod
+        self.method = method  # selection.method: a sampler name or module:attr, resolved by the service
         self.address = address
         self.channel = open_channel(address)
         self.stub = clustering_pb2_grpc.ClusteringStub(self.channel)
@@ -163,7 +134,7 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 def call_with_retry(method: Callable[..., T], request: object, retry_s: float, peer: str) -> T:
     """An idempotent unary call, retried with jittered exponential backoff while the peer is down, restarting or
-    busy (fairfl.rpc.refused_as_busy)."""
+    busy (fairfl.rpc_refusals.refused_as_busy)."""
     deadline = time.monotonic() + retry_s
     backoff = 0.2
     while True:
@@ -179,7 +150,7 @@ def call_with_retry(method: Callable[..., T], request: object, retry_s: float, p
             backoff = min(backoff * 2, 5.0)
 
 
-def _budget_exhausted(details: str) -> Exception:
+def budget_exhausted(details: str) -> Exception:
     from aggregator_service.engine import RunStopped
 
     return RunStopped(f"privacy budget exhausted: {details}")
@@ -191,7 +162,7 @@ def _privacy_refusal(err: grpc.RpcError, call: str) -> Exception:
     from aggregator_service.engine import RunRefused
 
     if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not refused_as_busy(err):
-        return _budget_exhausted(err.details())
+        return budget_exhausted(err.details())
     return RunRefused(f"the privacy service refused {call} ({err.code().name}): {err.details()}")
 
 
@@ -242,64 +213,24 @@ class RemotePrivacy:
         return reply.max_epsilon
 
 
-class LocalPrivacy:
-    """The same ledger code in-process, in memory."""
-
-    def __init__(self) -> None:
-        from privacy_service.ledger import SqliteLedger
-
-        self.ledger = SqliteLedger(":memory:")
-        self.run_ids: list[str] = []
+class NoLedger:
+    """The privacy gate of an aggregator started without a privacy service (no --privacy): it runs non-private runs
+    only, with nothing to account, and refuses a DP run before round 1. The in-memory ledger of in-process runs is
+    the composition layer's (fairfl.compose.local_privacy), since only it may use the privacy service's code."""
 
     def start(self, run_id: str, config: ExperimentConfig) -> None:
-        if config.privacy.enabled:  # refuse an unaccountable run here, before round 1, naming the config fields
-            check_accountable(config)
-        self.ledger.register_budget(run_budget(run_id, config))
-        if run_id not in self.run_ids:
-            self.run_ids.append(run_id)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The in-memory ledger (budgets and recorded events), so a resumed run keeps counting from where it was."""
-        import dataclasses
-
-        runs = []
-        for run_id in self.run_ids:
-            events = [
-                [e.round, e.principal, e.mechanism, e.sample_rate, e.noise_multiplier, e.count]
-                for e in self.ledger.events(run_id)
-            ]
-            runs.append({"budget": dataclasses.asdict(self.ledger.get_budget(run_id)), "events": events})
-        return {"runs": runs}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from privacy_service.ledger import Budget, Event
-
-        for run in state.get("runs", []):
-            budget = dict(run["budget"])
-            orders = budget.get("orders")
-            budget["orders"] = None if orders is None else tuple(orders)
-            self.ledger.register_budget(Budget(**budget))
-            if budget["run_id"] not in self.run_ids:
-                self.run_ids.append(budget["run_id"])
-            rounds: dict[int, list[Event]] = {}
-            for round_, principal, mechanism, q, sigma, count in run["events"]:
-                rounds.setdefault(int(round_), []).append(Event(principal, mechanism, q, sigma, int(count)))
-            for round_, events in sorted(rounds.items()):  # each prefix was within budget when first recorded
-                self.ledger.authorize_round(budget["run_id"], round_, events)
+        del run_id
+        if config.privacy.enabled:
+            raise ConfigError(
+                "privacy.enabled: this aggregator has no privacy service to account the run's spend; start it with "
+                "--privacy ADDRESS (FAIRFL_PRIVACY_ADDRESS), as `fairfl run` and deploy/k8s do"
+            )
 
     def authorize_round(
         self, run_id: str, round_number: int, config: ExperimentConfig, selected: list[int], population: int
     ) -> float:
-        from aggregator_service.engine import RunRefused
-        from privacy_service.ledger import BudgetExceeded, LedgerError
-
-        try:
-            events = round_events(config, selected, population)
-            return self.ledger.authorize_round(run_id, round_number, events).max_epsilon
-        except BudgetExceeded as err:
-            raise _budget_exhausted(str(err)) from err
-        except (LedgerError, ValueError) as err:  # what the privacy service answers with a status
-            raise RunRefused(f"the privacy ledger refused round {round_number}: {err}") from err
+        del run_id, round_number, config, selected, population
+        return 0.0
 
 
 def _budget_request(run_id: str, config: ExperimentConfig) -> privacy_pb2.RegisterBudgetRequest:

@@ -6,12 +6,12 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from aggregator_service.federation import AGENT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from aggregator_service.federation.state import AGENT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 
 DEFAULT_MAX_WORKERS = 64
 # Workers a long poll may never take: results, heartbeats, model fetches and run control always find one free. Of the
-# pool, fairfl.rpc.server_limits also keeps 1/16 free of every call (so calls over a limit are refused at once) and
-# lets one caller hold at most half of the rest (--max-in-flight).
+# pool, fairfl.rpc_guard.server_limits also keeps 1/16 free of every call (so calls over a limit are refused at once)
+# and lets one caller hold at most half of the rest (--max-in-flight).
 RESERVED_WORKERS = 16
 
 

@@ -13,9 +13,9 @@ import grpc
 
 from aggregator_service.checkpoint import CheckpointError, Loaded, load, run_directory
 from aggregator_service.engine import RoundEngine
-from fairfl import rpc
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
 from fairfl.rpc import CHUNK_BYTES
+from fairfl.rpc_refusals import refuse
 from fairfl.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ def _copy(status: control_pb2.RunStatus) -> control_pb2.RunStatus:
 
 
 class RunControlServicer(control_pb2_grpc.RunControlServicer):
-    """Its requests carry run ids, a config and a reason, no numbers. Every refusal is counted (rpc.refuse): an
+    """Its requests carry run ids, a config and a reason, no numbers. Every refusal is counted (refuse): an
     unknown run as `unknown`, a config that does not parse as `malformed`, the others under their status code."""
 
     def __init__(self, manager: RunManager) -> None:
@@ -190,7 +190,7 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
         try:
             config = experiment_from_yaml(request.experiment_yaml)
         except ConfigError as err:
-            rpc.refuse(
+            refuse(
                 context,
                 SERVICE_NAME,
                 "malformed",
@@ -200,19 +200,19 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
         try:
             return self.manager.start(config, request.run_id)
         except RunStartError as err:
-            rpc.refuse(
+            refuse(
                 context, SERVICE_NAME, "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT, f"run cannot start: {err}"
             )
         except RuntimeError as err:  # another run is active
-            rpc.refuse(context, SERVICE_NAME, "failed_precondition", grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            refuse(context, SERVICE_NAME, "failed_precondition", grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except KeyError as err:  # the run id is taken
-            rpc.refuse(context, SERVICE_NAME, "already_exists", grpc.StatusCode.ALREADY_EXISTS, str(err.args[0]))
+            refuse(context, SERVICE_NAME, "already_exists", grpc.StatusCode.ALREADY_EXISTS, str(err.args[0]))
 
     def _run(self, run_id: str, context: grpc.ServicerContext) -> _Run:
         try:
             return self.manager.get(run_id)
         except KeyError as err:
-            rpc.refuse(context, SERVICE_NAME, "unknown", grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+            refuse(context, SERVICE_NAME, "unknown", grpc.StatusCode.NOT_FOUND, str(err.args[0]))
 
     def GetRun(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):
         self._run(request.run_id, context)
@@ -230,7 +230,7 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
         run = self._run(request.run_id, context)
         engine = run.engine
         if engine is None and run.status.state in TERMINAL:  # its engine was never built: there never will be a model
-            rpc.refuse(
+            refuse(
                 context,
                 SERVICE_NAME,
                 "failed_precondition",
@@ -238,7 +238,7 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
                 f"run {request.run_id} ended without a model: {run.status.message[:300]}",
             )
         if engine is None:
-            rpc.refuse(
+            refuse(
                 context,
                 SERVICE_NAME,
                 "unavailable",

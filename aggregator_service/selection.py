@@ -1,14 +1,15 @@
-"""Client selection as the round engine drives it, for every sampler of the clustering service.
+"""Client selection as the round engine drives it, for any sampler (fairfl.sampling), from what it declares.
 
-`SelectionContext` is what the engine asks a `Selector` (aggregator_service.peers: in-process or the clustering
-service over gRPC) for one round; both turn it into the same `SelectionInput`, so they select identically.
-`SelectionDriver` holds what the methods need from the engine across rounds:
-- HiCS-FL: trained clients return their output-bias update (`want_bias_update`), reported to the selector as
-  signatures after each round.
-- power-of-choice: the sampler first names the candidates whose losses it needs; the engine probes them at the global
-  model (a PROBE task, loss only) and asks again with the losses.
-- Clustered Sampling and DivFL: the last update of every client stays here (exact, or as a count sketch), and only
-  the candidates' Gram matrix goes to the selector, never the models.
+`SelectionContext` is what the engine asks a `Selector` for one round: the clustering service over gRPC
+(aggregator_service.peers.RemoteSelector) or the same samplers in-process (fairfl.compose.local_selection, injected by
+the composition layer); both turn it into the same `SelectionInput`, so they select identically.
+`SelectionDriver` holds what the sampler needs from the engine across rounds:
+- `client_signatures` {"bias_update"} (HiCS-FL): trained clients return their output-bias update
+  (`want_bias_update`), reported to the selector as signatures after each round.
+- `needs_losses` (power-of-choice): the sampler first names the candidates whose losses it needs; the engine probes
+  them at the global model (a PROBE task, loss only) and asks again with the losses.
+- `needs_similarity` (Clustered Sampling, DivFL): the last update of every client stays here (exact, or as a count
+  sketch), and only the candidates' Gram matrix goes to the selector, never the models.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from clustering_service.samplers import SelectionInput, SelectionOutput, SelectionParams, params_from_config
-from clustering_service.servicer import selection_params_to_proto
 from fairfl import codec
 from fairfl.config import ExperimentConfig
+from fairfl.plugins import params_to_struct
 from fairfl.protocol import UPDATE, ClientResult
 from fairfl.rpc import CHUNK_BYTES
+from fairfl.sampling import SelectionInput, SelectionOutput
 from fairfl.v1 import clustering_pb2
 
-# Methods whose samplers read clients' last updates through a Gram matrix.
-UPDATE_METHODS = ("clustered_sampling", "divfl")
 # Below gRPC's default 4 MiB message limit with room for the rest of the request.
 MAX_SIMILARITY_BYTES = 2 * CHUNK_BYTES - 64 * 1024
 
@@ -46,7 +45,7 @@ class SelectionContext:
     candidates: list[int]
     count: int
     seed: int
-    params: SelectionParams = field(default_factory=SelectionParams)
+    params: Any = None  # the sampler's Params instance (None: its defaults)
     num_samples: list[int] | None = None  # training samples per candidate, 0 = not known yet
     losses: list[float] | None = None  # power-of-choice's second call: F_k(θ_t) of the candidates
     similarity: NDArray[np.float64] | None = None  # [n, n] Gram matrix of the candidates' last updates
@@ -73,16 +72,17 @@ def selection_input(context: SelectionContext) -> SelectionInput:
     )
 
 
-def select_request(method: int, context: SelectionContext) -> clustering_pb2.SelectRequest:
-    """The same request on the wire (float64 throughout, so the service sees exactly what the in-process path sees)."""
+def select_request(sampler: str, context: SelectionContext) -> clustering_pb2.SelectRequest:
+    """The same request on the wire (float64 throughout, so the service sees exactly what the in-process path sees);
+    `sampler` is the name or module:attr the service resolves, its parameters travel as a Struct."""
     request = clustering_pb2.SelectRequest(
         run_id=context.run_id,
         round=context.round,
         num_to_select=context.count,
         candidates=context.candidates,
-        method=method,  # type: ignore[arg-type]
+        sampler=sampler,
+        sampler_params=params_to_struct(context.params),
         seed=context.seed,
-        params=selection_params_to_proto(context.params),
         candidate_losses=context.losses or [],
         candidate_num_samples=context.num_samples or [],
     )
@@ -158,14 +158,13 @@ class SelectionDriver:
         sel = config.selection
         self.method = sel.method
         self.selector = selector
-        params = params_from_config(sel.method, sel.params)
-        sketch_dim = params.sketch_dim or 0
-        if sel.method == "hics":
-            params = replace(params, total_rounds=config.rounds)
-        self.params = replace(params, sketch_dim=None)  # aggregator-side only
-        self.wants_bias_update = sel.method == "hics"
+        sampler = sel.sampler_class()
+        # Every selection of the run is sent these (what the run supplies filled in, e.g. HiCS-FL's total_rounds).
+        self.params = sampler.run_params(sel.sampler_params(), config)
+        self.wants_bias_update = "bias_update" in sampler.client_signatures
         self.bank: UpdateBank | None = None
-        if sel.method in UPDATE_METHODS:
+        if sampler.needs_similarity:
+            sketch_dim = sampler.similarity_sketch_dim(self.params)
             self.bank = UpdateBank(config.data.num_clients, numel, sketch_dim, config.seed)
         self.sizes: dict[int, int] = {}  # training samples of every client that has trained
 

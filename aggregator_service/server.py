@@ -15,44 +15,43 @@ import torch
 from aggregator_service.checkpoint import RunCheckpointer, find_unfinished
 from aggregator_service.clustering_peer import RemoteClusterer
 from aggregator_service.engine import PrivacyGate, RoundEngine, Selector
-from aggregator_service.federation import SERVICE_NAME as FEDERATION_SERVICE
-from aggregator_service.federation import (
-    FederationServicer,
-    FederationState,
-    GrpcTransport,
-    add_federation_servicer,
-)
+from aggregator_service.federation.handlers import add_federation_servicer
+from aggregator_service.federation.servicer import SERVICE_NAME as FEDERATION_SERVICE
+from aggregator_service.federation.servicer import FederationServicer
+from aggregator_service.federation.state import FederationState
+from aggregator_service.federation.transport import GrpcTransport
 from aggregator_service.monitoring import InstrumentedTransport, RunMonitor, TimedPrivacy, TimedSelector, TimedStrategy
-from aggregator_service.peers import LocalPrivacy, LocalSelector, RemotePrivacy, RemoteSelector
+from aggregator_service.peers import NoLedger, RemotePrivacy, RemoteSelector
 from aggregator_service.reliability import ReliabilityOptions, add_reliability_arguments, options_from_args
 from aggregator_service.runs import SERVICE_NAME as CONTROL_SERVICE
 from aggregator_service.runs import RunControlServicer, RunManager
 from fairfl import telemetry, tls
+from fairfl.announce import announcement
 from fairfl.config import ExperimentConfig
+from fairfl.logs import configure_logging
 from fairfl.privacy import process_randomness
-from fairfl.rpc import (
-    IDLE_TIMEOUT_S,
-    AccessPolicy,
-    RunningServer,
-    TransportSecurity,
-    add_limit_arguments,
-    add_transport_arguments,
-    check_limits,
-    configure_logging,
-    serve_until_signal,
-    start_server,
-    transport_from_args,
-)
+from fairfl.rpc_guard import IDLE_TIMEOUT_S, AccessPolicy, add_limit_arguments, check_limits
+from fairfl.rpc_security import TransportSecurity, add_transport_arguments, transport_from_args
+from fairfl.rpc_server import RunningServer, serve_until_signal, start_server
 from fairfl.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [FEDERATION_SERVICE, CONTROL_SERVICE]
+CLUSTERING_REQUIRED = (
+    "--clustering ADDRESS (env FAIRFL_CLUSTERING_ADDRESS) is required: the clustering service selects every round's "
+    "clients; start one with `python -m clustering_service` (`fairfl run` and deploy/k8s do), or run in-process with "
+    "`fairfl run --transport inprocess`"
+)
 
 
 class Aggregator:
     def __init__(
         self, clustering_address: str = "", privacy_address: str = "", options: ReliabilityOptions | None = None
     ) -> None:
+        if not clustering_address:
+            # Selection and clustering run in the clustering service (a user's sampler too); a service never runs
+            # another service's code, so the aggregator cannot select on its own.
+            raise ValueError(CLUSTERING_REQUIRED)
         self.options = options or ReliabilityOptions()
         self.state = FederationState(
             self.options.heartbeat_interval, self.options.agent_timeout, self.options.max_long_polls
@@ -73,12 +72,9 @@ class Aggregator:
         on_event: Callable[[control_pb2.RunEvent], None],
         stop: threading.Event,
     ) -> RoundEngine:
-        selector: Selector = (
-            RemoteSelector(self.clustering_address, config.selection.method)
-            if self.clustering_address
-            else LocalSelector(config.selection.method)
-        )
-        privacy: PrivacyGate = RemotePrivacy(self.privacy_address) if self.privacy_address else LocalPrivacy()
+        selector: Selector = RemoteSelector(self.clustering_address, config.selection.method)
+        # Without a privacy service only non-private runs can go (NoLedger refuses a DP run before round 1).
+        privacy: PrivacyGate = RemotePrivacy(self.privacy_address) if self.privacy_address else NoLedger()
         monitor = RunMonitor(run_id, config)
 
         def record(event: control_pb2.RunEvent) -> None:
@@ -94,7 +90,7 @@ class Aggregator:
             record,
             stop,
             dp_randomness=process_randomness(),  # FAIRFL_DP_RANDOMNESS, default secure (see fairfl.privacy)
-            clusterer=RemoteClusterer(self.clustering_address) if self.clustering_address else None,
+            clusterer=RemoteClusterer(self.clustering_address),
         )
         engine.strategy = TimedStrategy(engine.strategy)
         directory = self.manager.checkpoint_directory(run_id, config)
@@ -128,8 +124,9 @@ def access_policy(
     """Agents use the Federation API, services and operators (service certificates) RunControl. Every Federation
     method but the long-poll is rate limited per caller; PollTasks waits by design and each agent holds one. Every
     call, PollTasks included, counts against the caller's `max_in_flight` (0: half of the pool, see
-    fairfl.rpc.server_limits; 30 of 64 workers): one agent runs at most 14 calls at once (client_agent.agent: a poll,
-    a heartbeat, 4 fetch streams, 8 result uploads), so agents sharing a certificate share that (docs/security.md)."""
+    fairfl.rpc_guard.server_limits; 30 of 64 workers): one agent runs at most 14 calls at once (client_agent.agent: a
+    poll, a heartbeat, 4 fetch streams, 8 result uploads), so agents sharing a certificate share that
+    (docs/security.md)."""
     limited = ("Register", "Heartbeat", "GetRunSpec", "FetchBlob", "SubmitResult", "SubmitResults", "UploadResult")
     return AccessPolicy(
         roles={FEDERATION_SERVICE: frozenset({tls.ROLE_AGENT}), CONTROL_SERVICE: frozenset({tls.ROLE_SERVICE})},
@@ -168,12 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clustering",
         default=os.environ.get("FAIRFL_CLUSTERING_ADDRESS", ""),
-        help="clustering service address; empty = select in-process",
+        help="clustering service address (required: it selects every round's clients); env FAIRFL_CLUSTERING_ADDRESS",
     )
     parser.add_argument(
         "--privacy",
         default=os.environ.get("FAIRFL_PRIVACY_ADDRESS", ""),
-        help="privacy service address; empty = in-memory ledger",
+        help="privacy service address; empty = non-private runs only (a DP run is refused)",
     )
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
     parser.add_argument(
@@ -192,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
+    if not args.clustering:
+        parser.error(CLUSTERING_REQUIRED)
     torch.set_num_threads(args.threads)
     security = transport_from_args(parser, args)  # also the identity it dials clustering and privacy with
     metrics = telemetry.start_from_args(args, "aggregator")
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # a broken checkpoint must not keep the aggregator down: new runs still start
         log.exception("could not resume the unfinished run in %s", options.checkpoint_dir)
     # Launchers asking for port 0 read the bound ports from this line.
-    print(telemetry.announcement(running.port, metrics), flush=True)
+    print(announcement(running.port, metrics), flush=True)
     serve_until_signal(running, SERVICE_NAMES)
     return 0
 

@@ -13,7 +13,7 @@ are exactly those of a plain loop (tests compare gRPC runs bit for bit with the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -21,17 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from client_agent import dp_sgd
+from client_agent.pieces import EVAL_BATCH, builtin_pieces
 from fairfl.config import ExperimentConfig
-from fairfl.data import FederatedData, build_federated
-from fairfl.models import build_model
+from fairfl.data import DataSignature, FederatedData
+from fairfl.models import build_run_model
 from fairfl.params import DeviceCache, ParamLayout, flatten_on_device, load_flat, synchronize, to_device, to_host
 from fairfl.privacy import check_randomness, dp_seed
-from fairfl.protocol import EVALUATE, FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
+from fairfl.procedure import LocalProcedure, LocalState, resolve_procedures
+from fairfl.protocol import EVALUATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
 
 BlobResolver = Callable[[tensor_pb2.BlobRef], torch.Tensor]
-
-EVAL_BATCH = 2048
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -40,18 +40,6 @@ def resolve_device(requested: str) -> torch.device:
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {requested!r} requested but CUDA is not available on this machine")
     return torch.device(requested)
-
-
-def build_global_model(config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """The run's initial model; every process builds the same one from the run seed."""
-    torch.manual_seed(config.seed)
-    m = config.model
-    kwargs: dict[str, object] = {}
-    if m.name == "mlp":
-        kwargs = {"hidden": tuple(m.hidden)}
-    elif m.name == "cnn":
-        kwargs = {"channels": tuple(m.cnn_channels), "hidden": m.cnn_hidden}
-    return build_model(config.model.name, input_shape, num_classes, **kwargs)
 
 
 @dataclass
@@ -80,7 +68,8 @@ class ClientRuntime:
         self.dp_randomness = check_randomness(dp_randomness)  # see fairfl.privacy: 'task' only for simulations
         self.device = device
         self.resolve_blob = resolve_blob
-        self.model = build_global_model(config, data.input_shape, data.num_classes).to(device)
+        signature = DataSignature(data.input_shape, data.num_classes)  # of the data this runtime actually holds
+        self.model = build_run_model(config, signature).to(device)
         self.layout = ParamLayout.of(self.model)
         self.resident = DeviceCache(device)  # the round's x_t (and fair gradient), on the device once per version
         self.num_classes = data.num_classes
@@ -125,108 +114,85 @@ class ClientRuntime:
     # -- procedures ---------------------------------------------------------------------------------------------
 
     def _train(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
+        """Local training: one loop (`_run_steps`) composed of the task's pieces (built-in algorithms, then user
+        procedures); DP-SGD tasks take `_train_dp`."""
         cfg = task.train
         if cfg.HasField("dp"):
             self._train_dp(task, c, x0, out)
             return
-        model = self.model
+        pieces = self._pieces(cfg)  # first: a task naming a procedure this agent cannot run fails before any work
         n = len(c.y_train)
         batch = min(cfg.batch_size, n)
-        gen = torch.Generator().manual_seed(task.seed)
-        steps = (
-            cfg.local_steps if cfg.WhichOneof("budget") == "local_steps" else cfg.local_epochs * math.ceil(n / batch)
-        )
+        steps = _local_steps(cfg, n, batch)
         if not cfg.skip_losses:  # F_i(x_t) and Acc_i(x_t); skipped (NaN: withheld) when no one reads them
             out.loss_before, accuracy_before = self._loss_and_accuracy(c, cfg.loss_eval_batches, batch, task.seed)
             out.metrics["accuracy_before"] = accuracy_before  # % on local training data at x_t (FairFed's Acc_i)
+        state = self._local_state(task, c, x0, steps, batch)
+        train_loss, mean_lr = self._run_steps(state, pieces)
+        state.update = flatten_on_device(self.model) - x0  # x_K − x_t, computed on the device where both are
+        out.payloads[UPDATE] = to_host(state.update)
+        if not cfg.skip_losses:
+            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+        out.metrics["train_loss"] = train_loss
+        out.metrics["local_steps"] = float(steps)
+        out.metrics["lr"] = mean_lr
+        for piece in pieces:
+            piece.finish(state, out)
 
-        lr = cfg.lr
-        fair = cfg.fair_step if cfg.HasField("fair_step") else None
-        params = list(model.parameters())
-        if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
-            opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
-        else:
-            opt = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        anchor = [p.detach().clone() for p in params] if cfg.prox_mu > 0 else None
-        fair_grad = None
-        if cfg.HasField("alignment"):
-            ref = cfg.alignment.fair_gradient
-            fair_grad = [t for _, t in self.layout.split(self.resident.get(ref.sha256, self.resolve_blob(ref)))]
+    def _pieces(self, cfg: federation_pb2.LocalTrainingConfig) -> list[LocalProcedure]:
+        """The task's built-in pieces in their fixed order, then its user procedures in the order listed."""
 
-        model.train()
+        def fetch(ref: tensor_pb2.BlobRef) -> torch.Tensor:
+            return self.resident.get(ref.sha256, self.resolve_blob(ref))
+
+        return builtin_pieces(cfg, self.model, self.layout, fetch) + resolve_procedures(cfg)
+
+    def _local_state(
+        self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, steps: int, batch: int
+    ) -> LocalState:
+        """The loop's state at x_t: the model, its optimiser and the client's data."""
+        params = list(self.model.parameters())
+        return LocalState(
+            config=task.train,
+            model=self.model,
+            params=params,
+            optimizer=_optimizer(task.train, params),
+            x0=x0,
+            x_train=c.x_train,
+            y_train=c.y_train,
+            device=self.device,
+            steps=steps,
+            batch_size=batch,
+            base_lr=task.train.lr,
+            lr=task.train.lr,
+            seed=task.seed,
+        )
+
+    def _run_steps(self, state: LocalState, pieces: list[LocalProcedure]) -> tuple[float, float]:
+        """The local steps, each calling the pieces' hooks at their points; (mean training loss, mean step size)."""
+        hooks = _Hooks(pieces)
+        n, batch = len(state.y_train), state.batch_size
+        gen = torch.Generator().manual_seed(state.seed)
         order = torch.empty(0, dtype=torch.long)
         position = 0
         # Summed on the device in float64, in step order: the same number as adding float(loss) on the host, without
         # waiting for the device every step.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
         lr_sum = 0.0
-        first_step: torch.Tensor | None = None
-        # Equitable-FL activation vector (seed-equitable.md §1.4): from the penultimate layer's output h over the
-        # samples of the last local epoch's steps (a step budget: its last epoch's worth of steps), each at the model
-        # state of its own forward pass, so it costs no extra forward pass. final_epoch_mean (the spec's default)
-        # averages log_softmax(h), log_softmax_of_mean averages h; eval_pass runs its own pass after training.
-        mode = cfg.activation_mode
-        if cfg.want_activation and mode not in federation_pb2.ActivationMode.values():
-            raise ValueError(f"unknown activation_mode {mode}")
-        window = cfg.want_activation and mode != federation_pb2.ACTIVATION_MODE_EVAL_PASS
-        activation_from = steps - min(steps, math.ceil(n / batch)) if window else steps
-        activation_sum = torch.zeros(model.feature_dim, dtype=torch.float64, device=self.device)
-        activation_count = 0
-        for step in range(steps):
+        for piece in pieces:
+            piece.begin(state)
+        state.model.train()
+        for step in range(state.steps):
             if position + batch > len(order):  # new epoch: fresh permutation (CPU generator: same on every device)
-                order = to_device(torch.randperm(n, generator=gen), self.device)
+                order = to_device(torch.randperm(n, generator=gen), state.device)
                 position = 0
             idx = order[position : position + batch]
             position += batch
-            if step >= activation_from:
-                hidden = model.features(c.x_train[idx])
-                logits = model.classifier(hidden)  # == model(x): forward is classifier(features(x))
-                if mode == federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN:
-                    activation_sum += hidden.detach().sum(0, dtype=torch.float64)
-                else:
-                    activation_sum += F.log_softmax(hidden.detach(), dim=1).sum(0, dtype=torch.float64)
-                activation_count += len(idx)
-            else:
-                logits = model(c.x_train[idx])
-            loss = F.cross_entropy(logits, c.y_train[idx])
-            objective = loss
-            if anchor is not None:
-                prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor, strict=True))
-                objective = loss + 0.5 * cfg.prox_mu * prox
-            opt.zero_grad()  # to None: backward then writes the gradient instead of adding it to zeros
-            objective.backward()
-            if fair_grad is not None:
-                alpha = cfg.alignment.alpha
-                for p, g in zip(params, fair_grad, strict=True):
-                    p.grad.mul_(1.0 - alpha).add_(g, alpha=alpha)
-            if fair is not None:  # FedFair Eq. 11: η_i = η·(1 + λ·(F_i(w, b) − F)), from this batch's loss
-                # (the step size is a host number, so this reads the loss every step: the one per-step sync left)
-                step_lr = lr * max(0.0, 1.0 + fair.fair_lambda * (float(loss.detach()) - fair.global_loss))
-                for group in opt.param_groups:
-                    group["lr"] = step_lr
-                lr_sum += step_lr
-            opt.step()
-            loss_sum += loss.detach()
-            if step == 0 and cfg.record_first_step:
-                first_step = flatten_on_device(model) - x0
-        update = flatten_on_device(model) - x0  # x_K − x_t, computed on the device where both are
-        out.payloads[UPDATE] = to_host(update)
-        if first_step is not None:
-            out.payloads[FIRST_STEP_UPDATE] = to_host(first_step)
-        if not cfg.skip_losses:
-            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
-        out.metrics["train_loss"] = float(loss_sum) / max(steps, 1)
-        out.metrics["local_steps"] = float(steps)
-        out.metrics["lr"] = lr_sum / max(steps, 1) if fair is not None else lr
-        if cfg.want_bias_update:
-            bias_name = self._classifier_bias_name()
-            offset = 0
-            for name, size in zip(self.layout.names, self.layout.sizes, strict=True):
-                if name == bias_name:
-                    out.bias_update = update[offset : offset + size].double().cpu().numpy()
-                offset += size
-        if cfg.want_activation:
-            out.activation = self._activation(c, mode, activation_sum, activation_count).cpu().numpy()
+            state.step, state.inputs, state.targets = step, state.x_train[idx], state.y_train[idx]
+            loss_sum += _step(state, hooks).detach()
+            lr_sum += state.lr
+        steps = max(state.steps, 1)
+        return float(loss_sum) / steps, lr_sum / steps if hooks.step_lr else state.base_lr
 
     def _train_dp(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
         """FedFDP's LOCAL (Alg. 2): K DP-SGD steps on Poisson(q) batches with fair clipping, then the noisy loss.
@@ -235,16 +201,7 @@ class ClientRuntime:
         weight decay and lr apply to the noisy gradient (post-processing). See client_agent/dp_sgd.py.
         """
         cfg, dp = task.train, task.train.dp
-        if cfg.WhichOneof("budget") != "local_steps":
-            raise ValueError("DP-SGD needs local_steps: epochs are not Poisson-sampled steps")
-        if not 0 < dp.sample_rate <= 1 or dp.noise_multiplier <= 0 or dp.clip_norm <= 0:
-            raise ValueError(
-                f"invalid DP-SGD settings: sample_rate={dp.sample_rate}, noise_multiplier={dp.noise_multiplier}, "
-                f"clip_norm={dp.clip_norm}"
-            )
-        if cfg.HasField("alignment") or cfg.record_first_step or cfg.want_bias_update or cfg.want_activation:
-            raise ValueError("DP-SGD tasks cannot also release alignment steps, bias updates or activations")
-        model = self.model
+        _check_dp_task(cfg)
         n = len(c.y_train)
         batch = min(cfg.batch_size, n)
         # Noiseless training losses leave only as opted-in experiment telemetry (not private); otherwise NaN = withheld.
@@ -253,12 +210,27 @@ class ClientRuntime:
             out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
         seeds = [dp_seed(self.dp_randomness, task.seed, purpose) for purpose in range(4)]
         sample_gen, noise_gen, loss_sample_gen, loss_noise_gen = (torch.Generator().manual_seed(s) for s in seeds)
+        last_batch, loss_sum, sampled = self._dp_steps(cfg, c, sample_gen, noise_gen)
+        out.payloads[UPDATE] = to_host(flatten_on_device(self.model) - x0)
+        if dp.loss_noise_multiplier > 0:
+            self._release_noisy_loss(dp, c, last_batch, loss_sample_gen, loss_noise_gen, out)
+        if telemetry:
+            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
+            out.metrics["train_loss"] = float(loss_sum) / max(sampled, 1)
+        out.metrics["local_steps"] = float(cfg.local_steps)
+        out.metrics["lr"] = cfg.lr
 
+    def _dp_steps(
+        self,
+        cfg: federation_pb2.LocalTrainingConfig,
+        c: _ClientTensors,
+        sample_gen: torch.Generator,
+        noise_gen: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The K DP-SGD steps; (the last batch's indices, Σ training losses on the device, samples drawn)."""
+        dp, model, n = cfg.dp, self.model, len(c.y_train)
         params = dict(model.named_parameters())
-        if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
-            opt: torch.optim.Optimizer = torch.optim.Adam(params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        else:
-            opt = torch.optim.SGD(params.values(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        opt = _optimizer(cfg, params.values())
         anchor = {k: p.detach().clone() for k, p in params.items()} if cfg.prox_mu > 0 else None
         global_loss = cfg.fair_step.global_loss if cfg.HasField("fair_step") else 0.0
         idx = torch.empty(0, dtype=torch.long)
@@ -268,7 +240,7 @@ class ClientRuntime:
         for _ in range(cfg.local_steps):
             idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, sample_gen), self.device)
             prox = None
-            if anchor is not None:
+            if anchor is not None:  # FedProx's μ(w − x_t), added to each per-sample gradient before clipping
                 prox = {k: cfg.prox_mu * (p.detach() - anchor[k]) for k, p in params.items()}
             clipped = dp_sgd.clipped_gradient_sum(
                 model, c.x_train[idx], c.y_train[idx], dp.clip_norm, dp.fair_lambda, global_loss, prox
@@ -281,27 +253,35 @@ class ClientRuntime:
             opt.step()
             loss_sum += clipped.loss_total
             sampled += clipped.batch
-        out.payloads[UPDATE] = to_host(flatten_on_device(model) - x0)
-        if dp.loss_noise_multiplier > 0:
-            clip = max(dp.loss_clip, dp.loss_clip_min)
-            if not dp.shared_loss_batch:  # §2.6 (a): an independent Poisson batch, so Theorem 3 applies
-                idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, loss_sample_gen), self.device)
-            model.eval()
-            out.noisy_loss = dp_sgd.noisy_loss(
-                model,
-                c.x_train[idx],
-                c.y_train[idx],
-                clip,
-                dp.loss_noise_multiplier,
-                dp_sgd.normalizer(dp, n, len(idx)),
-                loss_noise_gen,
-            )
-            out.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)
-        if telemetry:
-            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
-            out.metrics["train_loss"] = float(loss_sum) / max(sampled, 1)
-        out.metrics["local_steps"] = float(cfg.local_steps)
-        out.metrics["lr"] = cfg.lr
+        return idx, loss_sum, sampled
+
+    def _release_noisy_loss(
+        self,
+        dp: federation_pb2.DpSgd,
+        c: _ClientTensors,
+        last_batch: torch.Tensor,
+        sample_gen: torch.Generator,
+        noise_gen: torch.Generator,
+        out: ClientResult,
+    ) -> None:
+        """FedFDP's noisy loss F̃ at the trained model (Alg. 2 lines 22–28), on an independent Poisson batch (§2.6 a,
+        so Theorem 3 applies) or, with shared_loss_batch, on the last gradient batch."""
+        n = len(c.y_train)
+        clip = max(dp.loss_clip, dp.loss_clip_min)
+        idx = last_batch
+        if not dp.shared_loss_batch:
+            idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, sample_gen), self.device)
+        self.model.eval()
+        out.noisy_loss = dp_sgd.noisy_loss(
+            self.model,
+            c.x_train[idx],
+            c.y_train[idx],
+            clip,
+            dp.loss_noise_multiplier,
+            dp_sgd.normalizer(dp, n, len(idx)),
+            noise_gen,
+        )
+        out.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)
 
     def _probe(self, task: federation_pb2.Task, c: _ClientTensors, out: ClientResult) -> None:
         cfg = task.probe
@@ -362,46 +342,76 @@ class ClientRuntime:
             correct += (logits.argmax(dim=1) == y[start : start + EVAL_BATCH]).sum()
         return float(total), int(correct)
 
-    @torch.no_grad()
-    def _activation(self, c: _ClientTensors, mode: int, total: torch.Tensor, count: int) -> torch.Tensor:
-        """The activation vector of `mode` from the training-time sums (or, for eval_pass, a pass of its own)."""
-        if mode == federation_pb2.ACTIVATION_MODE_EVAL_PASS:
-            self.model.eval()
-            total = torch.zeros_like(total)
-            for start in range(0, len(c.y_train), EVAL_BATCH):
-                hidden = self.model.features(c.x_train[start : start + EVAL_BATCH])
-                total += F.log_softmax(hidden, dim=1).sum(0, dtype=torch.float64)
-            return total / len(c.y_train)
-        if mode == federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN:
-            return F.log_softmax(total / count, dim=0)
-        return total / count
 
-    def _classifier_bias_name(self) -> str:
-        for name, param in self.model.named_parameters():
-            if param is self.model.classifier.bias:
-                return name
-        raise ValueError("model has no classifier bias")
+class _Hooks:
+    """The pieces that override each per-step hook, so the loop calls only those (in the pieces' order)."""
+
+    def __init__(self, pieces: list[LocalProcedure]) -> None:
+        def overriding(hook: str) -> list[LocalProcedure]:
+            return [p for p in pieces if getattr(type(p), hook) is not getattr(LocalProcedure, hook)]
+
+        self.wants_features = overriding("wants_features")
+        self.after_forward = overriding("after_forward")
+        self.objective = overriding("objective")
+        self.after_backward = overriding("after_backward")
+        self.step_lr = overriding("step_lr")
+        self.after_step = overriding("after_step")
 
 
-def load_run_data(config: ExperimentConfig) -> FederatedData:
-    """The run's federated split; every process derives the same one from the config and seed."""
-    d = config.data
-    return build_federated(
-        d.dataset,
-        d.num_clients,
-        d.partition,
-        config.seed,
-        root=d.root,
-        download=d.download,
-        shards_per_client=d.shards_per_client,
-        alpha=d.alpha,
-        min_size=d.min_size,
-        test_per_client=d.test_per_client,
-        synthetic_alpha=d.synthetic_alpha,
-        synthetic_beta=d.synthetic_beta,
-        group_sizes=d.group_sizes,
-        group_classes=d.group_classes,
-        samples_per_class=d.samples_per_class,
-        group_alphas=d.group_alphas,
-        test_split=d.test_split,
-    )
+def _step(state: LocalState, hooks: _Hooks) -> torch.Tensor:
+    """One local step on state's batch (forward, objective, backward, gradient rewrites, step size, optimiser
+    step), calling the pieces' hooks at their points; the batch's cross-entropy."""
+    model, opt = state.model, state.optimizer
+    if any(p.wants_features(state) for p in hooks.wants_features):
+        state.features, state.logits = state.forward_with_features(state.inputs)
+    else:
+        state.features, state.logits = None, model(state.inputs)
+    for p in hooks.after_forward:
+        p.after_forward(state)
+    loss = state.loss = F.cross_entropy(state.logits, state.targets)
+    objective = loss
+    for p in hooks.objective:
+        objective = p.objective(state, objective)
+    opt.zero_grad()  # to None: backward then writes the gradient instead of adding it to zeros
+    objective.backward()
+    for p in hooks.after_backward:
+        p.after_backward(state)
+    for p in hooks.step_lr:
+        lr = p.step_lr(state, loss)
+        if lr is not None:
+            state.lr = lr
+            for group in opt.param_groups:
+                group["lr"] = lr
+    opt.step()
+    for p in hooks.after_step:
+        p.after_step(state)
+    return loss
+
+
+def _local_steps(cfg: federation_pb2.LocalTrainingConfig, n: int, batch: int) -> int:
+    if cfg.WhichOneof("budget") == "local_steps":
+        return cfg.local_steps
+    return cfg.local_epochs * math.ceil(n / batch)
+
+
+def _optimizer(cfg: federation_pb2.LocalTrainingConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def _check_dp_task(cfg: federation_pb2.LocalTrainingConfig) -> None:
+    """A DP-SGD task releases the noisy update and loss only: refuse settings that would release more."""
+    dp = cfg.dp
+    if cfg.WhichOneof("budget") != "local_steps":
+        raise ValueError("DP-SGD needs local_steps: epochs are not Poisson-sampled steps")
+    if not 0 < dp.sample_rate <= 1 or dp.noise_multiplier <= 0 or dp.clip_norm <= 0:
+        raise ValueError(
+            f"invalid DP-SGD settings: sample_rate={dp.sample_rate}, noise_multiplier={dp.noise_multiplier}, "
+            f"clip_norm={dp.clip_norm}"
+        )
+    if cfg.HasField("alignment") or cfg.record_first_step or cfg.want_bias_update or cfg.want_activation:
+        raise ValueError("DP-SGD tasks cannot also release alignment steps, bias updates or activations")
+    if cfg.procedures:  # their hooks would see the non-private per-batch gradients and losses
+        refs = ", ".join(spec.ref for spec in cfg.procedures)
+        raise ValueError(f"train.procedures: DP-SGD tasks cannot run local procedures ({refs})")

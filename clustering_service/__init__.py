@@ -1,7 +1,9 @@
 """FairFL clustering service: client selection (samplers/) and stateless clustering (clustering.py).
 
-The samplers and clustering functions take and return plain Python/numpy objects, so the aggregator's in-process
-transport calls them directly; `ClusteringServicer` is the thin gRPC layer over the same code.
+The samplers and clustering functions take and return plain Python/numpy objects, so the composition layer's
+in-process selection (fairfl.compose.local_selection) calls them directly; `ClusteringServicer` is the thin gRPC
+layer over the same code. Samplers are resolved through the registry (fairfl.sampling.SAMPLERS), so a user's sampler
+named by module:attr runs in this process.
 """
 
 from clustering_service.clustering import (
@@ -13,15 +15,7 @@ from clustering_service.clustering import (
     spectral_clusters,
 )
 from clustering_service.errors import InvalidInput
-from clustering_service.samplers import (
-    Sampler,
-    SelectionInput,
-    SelectionMethod,
-    SelectionOutput,
-    SelectionParams,
-    get_sampler,
-    select,
-)
+from clustering_service.samplers import Sampler, SelectionInput, SelectionOutput, get_sampler, select
 from clustering_service.server import main, serve
 from clustering_service.servicer import SERVICE_NAME, ClusteringServicer
 from clustering_service.state import RunState, Signature, StateStore
@@ -33,9 +27,7 @@ __all__ = [
     "RunState",
     "Sampler",
     "SelectionInput",
-    "SelectionMethod",
     "SelectionOutput",
-    "SelectionParams",
     "Signature",
     "StateStore",
     "distance_from_similarity",

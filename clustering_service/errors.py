@@ -1,7 +1,9 @@
-"""Errors the clustering service maps onto gRPC status codes (the servicer is the only place that knows about gRPC)."""
+"""Errors the clustering service maps onto gRPC status codes (the servicer is the only place that knows about gRPC).
+
+InvalidInput is part of the public sampler API (fairfl.sampling), so a user's sampler raises the same error."""
 
 from __future__ import annotations
 
+from fairfl.sampling import InvalidInput
 
-class InvalidInput(ValueError):
-    """The caller sent something unusable; the message names what and why (→ INVALID_ARGUMENT)."""
+__all__ = ["InvalidInput"]

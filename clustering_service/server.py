@@ -13,19 +13,11 @@ import grpc
 from clustering_service.servicer import SERVICE_NAME, ClusteringServicer
 from clustering_service.state import StateStore
 from fairfl import telemetry, tls
-from fairfl.rpc import (
-    DEFAULT_WORKERS,
-    AccessPolicy,
-    RunningServer,
-    TransportSecurity,
-    add_limit_arguments,
-    add_transport_arguments,
-    check_limits,
-    configure_logging,
-    serve_until_signal,
-    start_server,
-    transport_from_args,
-)
+from fairfl.announce import announcement
+from fairfl.logs import configure_logging
+from fairfl.rpc_guard import DEFAULT_WORKERS, AccessPolicy, add_limit_arguments, check_limits
+from fairfl.rpc_security import TransportSecurity, add_transport_arguments, transport_from_args
+from fairfl.rpc_server import RunningServer, serve_until_signal, start_server
 from fairfl.v1 import clustering_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -87,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start the clustering service on %s: %s", args.bind, err)
         return 1
     # Parents that asked for port 0 read the real ports from this line; logs go to stderr, so stdout stays parseable.
-    print(telemetry.announcement(running.port, metrics), flush=True)
+    print(announcement(running.port, metrics), flush=True)
     serve_until_signal(running, [SERVICE_NAME])
     log.info("clustering service stopped")
     return 0

@@ -5,19 +5,20 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import fields
 from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 from numpy.typing import NDArray
 
 from clustering_service import clustering, samplers
-from clustering_service.errors import InvalidInput
-from clustering_service.samplers import SelectionInput, SelectionParams
-from clustering_service.state import Signature, StateStore
+from clustering_service.state import StateStore
 from fairfl import codec, telemetry
-from fairfl.rpc import abort
+from fairfl.plugins import params_from_struct, parse_params
+from fairfl.rpc_refusals import abort
+from fairfl.sampling import SAMPLERS, InvalidInput, Sampler, SelectionInput, Signature
+from fairfl.schema import ConfigError
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, tensor_pb2
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,9 @@ def signature_from_proto(msg: clustering_pb2.ClientSignature) -> Signature:
     return Signature(client_id=msg.client_id, round=msg.round, num_samples=msg.num_samples, loss=msg.loss, **vectors)
 
 
-def selection_input_from_proto(request: clustering_pb2.SelectRequest) -> SelectionInput:
-    """The transport-free request; its constructor does the validation shared with the in-process path."""
+def selection_input_from_proto(request: clustering_pb2.SelectRequest, params: Any = None) -> SelectionInput:
+    """The transport-free request; its constructor does the validation shared with the in-process path. `params` is
+    the sampler's Params instance (sampler_request resolves it)."""
     n = len(request.candidates)
     similarity = None
     if request.HasField("similarity"):
@@ -65,7 +67,7 @@ def selection_input_from_proto(request: clustering_pb2.SelectRequest) -> Selecti
         num_to_select=request.num_to_select,
         candidates=np.asarray(request.candidates, dtype=np.int64).reshape(n),
         seed=request.seed,
-        params=selection_params_from_proto(request.params),
+        params=params,
         # Unset repeated fields arrive empty: treat empty as "not given" rather than as a length mismatch.
         candidate_losses=np.asarray(request.candidate_losses) if request.candidate_losses else None,
         candidate_num_samples=np.asarray(request.candidate_num_samples) if request.candidate_num_samples else None,
@@ -73,23 +75,32 @@ def selection_input_from_proto(request: clustering_pb2.SelectRequest) -> Selecti
     )
 
 
-# SelectionParams field -> fairfl.v1.SelectionParams field; sketch_dim stays on the aggregator (never sent).
-_WIRE_PARAMS = {f.name: "candidates" if f.name == "choice_candidates" else f.name for f in fields(SelectionParams)}
-del _WIRE_PARAMS["sketch_dim"]
+def sampler_of(request: clustering_pb2.SelectRequest) -> tuple[str, type[Sampler], Any]:
+    """(reference, class, Params instance) of the request's sampler, resolved through the registry; InvalidInput
+    naming the field (`sampler`, `sampler_params.<key>`) when it cannot be used.
 
-
-def selection_params_from_proto(message: clustering_pb2.SelectionParams) -> SelectionParams:
-    """The fields that are set (unset = the method's default)."""
-    return SelectionParams(
-        **{name: getattr(message, wire) for name, wire in _WIRE_PARAMS.items() if message.HasField(wire)}
-    )
-
-
-def selection_params_to_proto(params: SelectionParams) -> clustering_pb2.SelectionParams:
-    """The set fields of `params` on the wire (the aggregator's RemoteSelector sends this)."""
-    return clustering_pb2.SelectionParams(
-        **{wire: getattr(params, name) for name, wire in _WIRE_PARAMS.items() if getattr(params, name) is not None}
-    )
+    An old client's request without `sampler` names a built-in by the deprecated enum (its lowercased name is the
+    registered name) and gives its parameters in the deprecated SelectionParams, whose field names are the Params'."""
+    if request.sampler:
+        ref, field, raw = request.sampler, "sampler", None
+    else:
+        try:
+            ref = clustering_pb2.SelectionMethod.Name(request.method).removeprefix("SELECTION_METHOD_").lower()
+        except ValueError:
+            raise InvalidInput(f"method: unknown selection method {request.method}; name the sampler") from None
+        if ref == "unspecified":
+            raise InvalidInput("sampler: required (a sampler name or package.module:attr); method is unspecified")
+        field = "method"
+        raw = json_format.MessageToDict(request.params, preserving_proto_field_name=True)
+    try:
+        cls = SAMPLERS.load(ref, field)
+        if raw is None:
+            params = params_from_struct(cls.Params, request.sampler_params, "sampler_params")
+        else:
+            params = parse_params(cls.Params, raw, "params")
+    except ConfigError as err:  # PluginError: not importable, not a Sampler, unknown name, bad parameter
+        raise InvalidInput(str(err)) from None
+    return ref, cls, params
 
 
 def _require_run_id(run_id: str) -> None:
@@ -187,24 +198,20 @@ class ClusteringServicer(clustering_pb2_grpc.ClusteringServicer):
     ) -> clustering_pb2.SelectReply:
         try:
             _require_run_id(request.run_id)
-            sampler = samplers.get_sampler(request.method)
-            selection = selection_input_from_proto(request)
-        except InvalidInput as err:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Select(run {request.run_id!r}): {err}")
-        except NotImplementedError as err:
-            abort(context, grpc.StatusCode.UNIMPLEMENTED, str(err))
-        try:
+            ref, cls, params = sampler_of(request)
+            selection = selection_input_from_proto(request, params)
+            sampler = cls()
             out = samplers.run_sampler(sampler, selection, self.store.run(request.run_id))
-        except InvalidInput as err:  # a sampler found the request unusable for its method
+        except InvalidInput as err:  # the request, or a sampler finding it unusable for its method
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Select(run {request.run_id!r}): {err}")
-        method = _method_label(clustering_pb2.SelectionMethod, request.method, "SELECTION_METHOD_")
-        telemetry.SELECTIONS.labels(method).inc()
-        telemetry.SELECTION_DURATION.labels(method).observe(out.seconds)
+        # The reference as sent: a registered name, or the module:attr of a sampler this process could load.
+        telemetry.SELECTIONS.labels(ref).inc()
+        telemetry.SELECTION_DURATION.labels(ref).observe(out.seconds)
         log.debug(
             "run %s round %d: %s selected %d of %d in %.2f ms",
             request.run_id,
             request.round,
-            sampler.method.name,
+            ref,
             len(out.selected),
             len(request.candidates),
             out.seconds * 1e3,

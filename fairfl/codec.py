@@ -1,8 +1,9 @@
-"""Tensor codec: raw little-endian bytes with a typed spec, chunked streams with sha256, zero-copy decode.
+"""Tensor codec: raw little-endian bytes with a typed spec, bundles of tensors, a received payload checked against
+its size and sha256, zero-copy decode.
 
 Every service encodes and decodes tensors here and nowhere else. Nothing is pickled: a tensor is its dtype, its shape
-and its row-major bytes. Large bundles travel as a header followed by data chunks of CHUNK_BYTES, so payload size is
-not bounded by gRPC's per-message limit.
+and its row-major bytes. Large bundles travel as a header followed by data chunks of CHUNK_BYTES (the chunk framing is
+fairfl.framing; fetching one payload as ranges on concurrent streams is fairfl.fetch).
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from google.protobuf.message import Message
 
-from fairfl.rpc import CHUNK_BYTES
+from fairfl.framing import CHUNK_BYTES, Framed, byte_range, framed_data, iter_byte_chunks, iter_chunk_views
 from fairfl.v1 import tensor_pb2
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -50,11 +50,6 @@ DEFAULT_MAX_BUNDLE_BYTES = 16 * 1024**3
 # hand-off costs more than it saves.
 BACKGROUND_DIGEST_BYTES = 8 * 1024 * 1024
 DIGEST_STEP_BYTES = 8 * 1024 * 1024  # received bytes handed to the hashing thread at a time
-# Concurrent range fetches (fetch_ranges): blobs above one segment travel as segments of at least SEGMENT_BYTES (at
-# most MAX_SEGMENTS of them) on FETCH_STREAMS streams at once.
-FETCH_STREAMS = 4
-SEGMENT_BYTES = 16 * 1024 * 1024
-MAX_SEGMENTS = 256
 
 
 class CodecError(ValueError):
@@ -293,163 +288,6 @@ class BufferPool:
 TRANSFER_BUFFERS = BufferPool()
 
 
-def iter_chunk_views(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[memoryview]]:
-    """Concatenate buffers and cut them into pieces of exactly chunk_bytes (the last may be shorter), each piece as
-    the views of the buffers it spans (no copy)."""
-    pending: list[memoryview] = []
-    pending_len = 0
-    for buf in buffers:
-        start = 0
-        while start < len(buf):
-            take = min(chunk_bytes - pending_len, len(buf) - start)
-            pending.append(buf[start : start + take])
-            pending_len += take
-            start += take
-            if pending_len == chunk_bytes:
-                yield pending
-                pending, pending_len = [], 0
-    if pending_len:
-        yield pending
-
-
-def iter_byte_chunks(buffers: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Concatenate buffers and cut them into pieces of exactly chunk_bytes (the last may be shorter)."""
-    for views in iter_chunk_views(buffers, chunk_bytes):
-        yield views[0].tobytes() if len(views) == 1 else b"".join(views)
-
-
-# -- data chunks framed without protobuf's copies ----------------------------------------------------------------------
-# A Chunk or ResultChunk holding only `data` (field 2, length-delimited) is its tag, the length as a varint and the
-# bytes. Built by hand, a chunk is one copy of the tensor memory instead of three (cut, into the message, serialised);
-# parsed by hand, its bytes are a view of the received message instead of two copies. Anything else goes through
-# protobuf, so what is accepted is exactly what protobuf would parse.
-
-_HEADER_TAG = 0x0A  # field 1, wire type 2 (length-delimited)
-_DATA_TAG = 0x12  # field 2, wire type 2
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-class Framed:
-    """A message serialised already, for the passthrough `serialize`; it answers ByteSize() like a protobuf message
-    (the gRPC metrics count it)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def ByteSize(self) -> int:
-        return len(self.data)
-
-    def SerializeToString(self) -> bytes:
-        return self.data
-
-
-def serialize(message: Framed | Message) -> bytes:
-    """gRPC serializer for streams that mix Framed chunks and protobuf messages."""
-    return message.SerializeToString()
-
-
-def framed_data(views: Sequence[memoryview | bytes]) -> Framed:
-    """The serialised Chunk / ResultChunk whose `data` is the views' concatenation."""
-    size = sum(len(v) for v in views)
-    return Framed(b"".join([bytes((_DATA_TAG,)), _varint(size), *views]))
-
-
-class DataChunk:
-    """A received Chunk / ResultChunk that holds only `data`, a read-only view of the received bytes."""
-
-    __slots__ = ("_size", "data")
-
-    def __init__(self, data: memoryview, size: int) -> None:
-        self.data = data
-        self._size = size
-
-    def WhichOneof(self, group: str) -> str:
-        return "data"
-
-    def ByteSize(self) -> int:
-        return self._size
-
-
-def _read_varint(raw: bytes, at: int) -> tuple[int, int] | None:
-    """(value, offset after it) of the varint at `at`, or None if it runs past the end or past 10 bytes."""
-    value, shift = 0, 0
-    for position in range(at, min(len(raw), at + 10)):
-        byte = raw[position]
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, position + 1
-        shift += 7
-    return None
-
-
-def data_view(raw: bytes) -> memoryview | None:
-    """The bytes of `raw` if it is exactly one `data` field (tag, varint length, bytes), as a view; else None."""
-    if len(raw) < 2 or raw[0] != _DATA_TAG:
-        return None
-    size = _read_varint(raw, 1)
-    return memoryview(raw)[size[1] :] if size is not None and size[1] + size[0] == len(raw) else None
-
-
-def framed_header_data(header: bytes, views: Sequence[memoryview | bytes]) -> Framed:
-    """The serialised message {1: header (a serialised message), 2: the views' concatenation} (ResultUpload), built
-    with one copy of the views."""
-    size = sum(len(v) for v in views)
-    return Framed(
-        b"".join([bytes((_HEADER_TAG,)), _varint(len(header)), header, bytes((_DATA_TAG,)), _varint(size), *views])
-    )
-
-
-def split_header_data(raw: bytes) -> tuple[memoryview, memoryview] | None:
-    """Views of field 1's and field 2's bytes when `raw` is exactly those two length-delimited fields in that order
-    (as framed_header_data and protobuf write them); None for any other encoding (parse that with protobuf)."""
-    if len(raw) < 4 or raw[0] != _HEADER_TAG:
-        return None
-    header_size = _read_varint(raw, 1)
-    if header_size is None:
-        return None
-    header_end = header_size[1] + header_size[0]
-    if header_end >= len(raw) or raw[header_end] != _DATA_TAG:
-        return None
-    data_size = _read_varint(raw, header_end + 1)
-    if data_size is None or data_size[1] + data_size[0] != len(raw):
-        return None
-    view = memoryview(raw)
-    return view[header_size[1] : header_end], view[data_size[1] :]
-
-
-def chunk_parser(message: type[Message]) -> Callable[[bytes], Message | DataChunk]:
-    """A gRPC deserializer for `message` (Chunk, ResultChunk) that reads data chunks without copying them."""
-
-    def parse(raw: bytes) -> Message | DataChunk:
-        view = data_view(raw)
-        return message.FromString(raw) if view is None else DataChunk(view, len(raw))
-
-    return parse
-
-
-def byte_range(buffers: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
-    """The bytes [offset, offset + length) of the buffers' concatenation, as views of them."""
-    out: list[memoryview] = []
-    start = 0
-    for buf in buffers:
-        end = start + len(buf)
-        lo, hi = max(offset, start), min(offset + length, end)
-        if lo < hi:
-            out.append(buf[lo - start : hi - start])
-        start = end
-    return out
-
-
 @dataclass(frozen=True)
 class EncodedBundle:
     """Tensors ready to stream: their specs, their byte views, total size and content address."""
@@ -498,7 +336,7 @@ def check_sha256(sha256: str, where: str = "the header") -> None:
         raise CodecError(f"{where} must carry the payload's sha256 as 64 lowercase hex digits")
 
 
-def _check_size(total_bytes: int, max_bytes: int) -> None:
+def check_size(total_bytes: int, max_bytes: int) -> None:
     if total_bytes > max_bytes:
         raise CodecError(f"payload of {total_bytes} bytes exceeds the limit of {max_bytes} bytes", "size")
     if total_bytes < 0:  # int64 on the wire
@@ -532,7 +370,7 @@ class PayloadReceiver:
         elif sha256 or not sha256_optional:
             check_sha256(sha256)
         self.verify = bool(sha256) or sha256_in_trailer
-        _check_size(total_bytes, max_bytes)
+        check_size(total_bytes, max_bytes)
         self.max_chunk_bytes = max_chunk_bytes
         self.total_bytes = total_bytes
         self.expected_sha256 = sha256
@@ -616,231 +454,3 @@ def receive_bundle(
             raise CodecError("a second header arrived inside a chunk stream")
         receiver.add(chunk.data)
     return header, decode_tensors(header.tensors, receiver.finish())
-
-
-# -- concurrent range streams ------------------------------------------------------------------------------------------
-
-RangeOpener = Callable[[int, int], Iterator[tensor_pb2.Chunk]]
-
-
-def plan_segments(total_bytes: int, segment_bytes: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
-    """(offset, length) of the ranges a payload is fetched in: at least `segment_bytes` (whole chunks from a chunk
-    up), at most MAX_SEGMENTS of them."""
-    size = max(segment_bytes, math.ceil(total_bytes / MAX_SEGMENTS))
-    if size >= CHUNK_BYTES:
-        size = math.ceil(size / CHUNK_BYTES) * CHUNK_BYTES
-    return [(start, min(size, total_bytes - start)) for start in range(0, total_bytes, size)]
-
-
-class RangeReceiver:
-    """One payload received as byte ranges on concurrent streams into one buffer.
-
-    Each range's chunks arrive in order and must fill it exactly; the sha256 of the whole is fed front to back as the
-    ranges complete (ranges are handed out in order, so the hashed prefix follows the received one closely), and
-    `finish` compares it with the content address. A corrupted, reordered or truncated range fails like a stream."""
-
-    def __init__(self, total_bytes: int, sha256: str, segments: Sequence[tuple[int, int]], max_bytes: int) -> None:
-        check_sha256(sha256, "a blob reference")
-        _check_size(total_bytes, max_bytes)
-        if sum(n for _, n in segments) != total_bytes:  # pragma: no cover - plan_segments covers the payload
-            raise ValueError("segments do not cover the payload")
-        self.total_bytes = total_bytes
-        self.expected_sha256 = sha256
-        self.segments = list(segments)
-        self.buffer = TRANSFER_BUFFERS.take(total_bytes)
-        self._view = memoryview(self.buffer)
-        self._done = [False] * len(self.segments)
-        self._hashed = 0  # segments fed to the digest
-        self._lock = threading.Lock()
-        self._digest = StreamDigest(background=total_bytes >= BACKGROUND_DIGEST_BYTES)
-
-    def add(self, index: int, position: int, data: bytes | memoryview) -> int:
-        """Write `data` at `position` of range `index` (the bytes received in it so far); the new position."""
-        offset, length = self.segments[index]
-        if not 0 < len(data) <= CHUNK_BYTES:
-            raise CodecError(f"data chunk of {len(data)} bytes: chunks carry 1..{CHUNK_BYTES} bytes", "size")
-        if position + len(data) > length:
-            raise CodecError(
-                f"range at {offset} received {position + len(data)} bytes, {length} were asked for", "size"
-            )
-        start = offset + position
-        self.buffer[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        return position + len(data)
-
-    def complete(self, index: int, position: int) -> None:
-        offset, length = self.segments[index]
-        if position != length:
-            raise CodecError(f"range at {offset} ended after {position} of {length} bytes", "size")
-        with self._lock:
-            self._done[index] = True
-            while self._hashed < len(self.segments) and self._done[self._hashed]:
-                start, n = self.segments[self._hashed]
-                self._digest.update(self._view[start : start + n])
-                self._hashed += 1
-
-    def finish(self) -> np.ndarray:
-        if not all(self._done):
-            raise CodecError("not every range of the payload arrived", "size")
-        if self._digest.hexdigest() != self.expected_sha256:
-            raise CodecError(
-                "payload sha256 does not match the blob's address: data was corrupted or reordered", "integrity"
-            )
-        return self.buffer
-
-
-def fetch_ranges(
-    open_range: RangeOpener,
-    total_bytes: int,
-    sha256: str,
-    check_header: Callable[[tensor_pb2.BundleHeader], None],
-    max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES,
-    streams: int = FETCH_STREAMS,
-    segment_bytes: int = SEGMENT_BYTES,
-) -> tuple[tensor_pb2.BundleHeader, np.ndarray]:
-    """Fetch the payload `sha256` of `total_bytes` as ranges on up to `streams` concurrent streams.
-
-    `open_range(offset, length)` opens one stream: a header, then the data of that range (length 0: to the end).
-    Every stream's header must describe the requested blob; `check_header` vets the first (layout, size). A blob of
-    one segment, or one stream, is one plain request for the whole payload. Raises CodecError for anything malformed
-    and whatever `open_range`'s streams raise (the other streams are cancelled)."""
-    segments = plan_segments(total_bytes, segment_bytes)
-    if len(segments) <= 1 or streams <= 1:
-        chunks = open_range(0, 0)
-        try:
-            return _receive_whole(chunks, total_bytes, sha256, check_header, max_bytes)
-        except BaseException:
-            _cancel(chunks)
-            raise
-
-    receiver_ranges = RangeReceiver(total_bytes, sha256, segments, max_bytes)
-    state = _FetchState()
-
-    def worker() -> None:
-        while not state.failed.is_set():
-            index = state.next_index(len(segments))
-            if index is None:
-                return
-            offset, length = segments[index]
-            chunks = open_range(offset, length)
-            state.track(chunks)
-            try:
-                position = -1  # before the header
-                for chunk in chunks:
-                    if state.failed.is_set():  # a sibling failed, maybe before this call was tracked: end it too
-                        _cancel(chunks)
-                        return
-                    if position < 0:
-                        state.header_seen(_range_header(chunk, total_bytes, sha256), check_header)
-                        position = 0
-                        continue
-                    if chunk.WhichOneof("part") != "data":
-                        raise CodecError("a second header arrived inside a chunk stream")
-                    position = receiver_ranges.add(index, position, chunk.data)
-                if position < 0:
-                    raise CodecError(f"the stream of range at {offset} ended before its header")
-                receiver_ranges.complete(index, position)
-            finally:
-                state.untrack(chunks)
-
-    def run() -> None:
-        try:
-            worker()
-        except BaseException as err:  # the first failure stops every stream and is raised to the caller
-            state.fail(err)
-
-    threads = [threading.Thread(target=run, name=f"fetch-{i}", daemon=True) for i in range(min(streams, len(segments)))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if state.error is not None:
-        raise state.error
-    assert state.header is not None
-    return state.header, receiver_ranges.finish()
-
-
-def _receive_whole(
-    chunks: Iterator[tensor_pb2.Chunk],
-    total_bytes: int,
-    sha256: str,
-    check_header: Callable[[tensor_pb2.BundleHeader], None],
-    max_bytes: int,
-) -> tuple[tensor_pb2.BundleHeader, np.ndarray]:
-    header, receiver = None, None
-    for chunk in chunks:
-        if header is None:
-            header = _range_header(chunk, total_bytes, sha256)
-            check_header(header)
-            receiver = PayloadReceiver(total_bytes, sha256, max_bytes)
-            continue
-        if chunk.WhichOneof("part") != "data":
-            raise CodecError("a second header arrived inside a chunk stream")
-        assert receiver is not None
-        receiver.add(chunk.data)
-    if header is None or receiver is None:
-        raise CodecError("the blob stream ended before its header")
-    return header, receiver.finish()
-
-
-def _cancel(call: object) -> None:
-    """Cancel a gRPC response iterator (other iterables end on their own)."""
-    cancel = getattr(call, "cancel", None)
-    if callable(cancel):
-        cancel()
-
-
-def _range_header(chunk: tensor_pb2.Chunk, total_bytes: int, sha256: str) -> tensor_pb2.BundleHeader:
-    if chunk.WhichOneof("part") != "header":
-        raise CodecError("the blob stream did not start with a header")
-    header = chunk.header
-    if header.sha256 != sha256 or header.total_bytes != total_bytes:
-        raise CodecError(
-            f"the stream is not the requested blob: it describes {header.sha256[:16]!r} of {header.total_bytes} "
-            f"bytes, {sha256[:16]!r} of {total_bytes} bytes was asked for"
-        )
-    validate_specs(header.tensors, header.total_bytes)
-    return header
-
-
-class _FetchState:
-    """What fetch_ranges' streams share: the next range, the header, the first error and the open calls."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.failed = threading.Event()
-        self.error: BaseException | None = None
-        self.header: tensor_pb2.BundleHeader | None = None
-        self._next = 0
-        self._open: list[object] = []
-
-    def next_index(self, count: int) -> int | None:
-        with self.lock:
-            if self._next >= count:
-                return None
-            self._next += 1
-            return self._next - 1
-
-    def header_seen(self, header: tensor_pb2.BundleHeader, check: Callable[[tensor_pb2.BundleHeader], None]) -> None:
-        with self.lock:
-            if self.header is None:
-                check(header)
-                self.header = header
-            elif header != self.header:
-                raise CodecError("the streams of one blob disagree on its header")
-
-    def track(self, call: object) -> None:
-        with self.lock:
-            self._open.append(call)
-
-    def untrack(self, call: object) -> None:
-        with self.lock:
-            self._open.remove(call)
-
-    def fail(self, err: BaseException) -> None:
-        with self.lock:
-            if self.error is None:
-                self.error = err
-            self.failed.set()
-            calls = list(self._open)
-        for call in calls:
-            _cancel(call)

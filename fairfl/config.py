@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from fairfl.plugins import parse_params
 from fairfl.privacy import (
     COUNT_MAX,
     DELTA_RANGE,
@@ -25,14 +26,19 @@ from fairfl.privacy import (
 )
 from fairfl.schema import ConfigError, _at_least, _build, _join, _positive
 
+if TYPE_CHECKING:
+    from fairfl.sampling import Sampler
+
 DEFAULT_LOCAL_STEPS = 10
-DATASET_CLASSES = {"fashion_mnist": 10, "mnist": 10, "cifar10": 10, "synthetic": 10}
 Scalar = bool | int | float | str  # tried in this order: 3 stays an int, true stays a bool
 
 
 @dataclass
 class DataConfig:
-    dataset: Literal["fashion_mnist", "mnist", "cifar10", "synthetic"] = "fashion_mnist"
+    # A dataset plug-in (fairfl.data.plugin): a registered name (FairFL's built-ins are entry points of group
+    # fairfl.datasets: fashion_mnist, mnist, cifar10, synthetic) or package.module:attr.
+    dataset: str = "fashion_mnist"
+    params: dict[str, Any] = field(default_factory=dict)  # the dataset's declared Params (synthetic: alpha, beta)
     root: str | None = None
     download: bool = False
     num_clients: int = 100
@@ -45,8 +51,6 @@ class DataConfig:
     # of the official test set, so the mean client accuracy is the global model's test accuracy (HiCS-FL's metric)
     # rather than an average over class-skewed splits.
     test_split: Literal["follow_train", "iid"] = "follow_train"
-    synthetic_alpha: float = 1.0
-    synthetic_beta: float = 1.0
     # Grouped partitions (fairfl.data.groups): clients per ground-truth group, contiguous ids, group 0 first.
     group_sizes: list[int] = field(default_factory=list)
     # label_groups (Equitable-FL): classes per group, disjoint and in class-index order, and each client's samples of
@@ -58,13 +62,20 @@ class DataConfig:
 
     def validate(self, path: str) -> None:
         from fairfl.data.groups import GROUPED_PARTITIONS
+        from fairfl.data.plugin import dataset_signature_of
+        from fairfl.data.run import run_dataset
 
+        plugin, params = run_dataset(self, path)  # not importable, wrong type or bad params: named here
+        signature = dataset_signature_of(plugin, params, f"{path}.dataset")
         _at_least(self.num_clients, 1, f"{path}.num_clients")
         for i, size in enumerate(self.group_sizes):
             _at_least(size, 1, f"{path}.group_sizes[{i}]")
         if self.partition in GROUPED_PARTITIONS:
-            if self.dataset == "synthetic":
-                raise ConfigError(f"{path}.partition: {self.partition} does not apply to synthetic (its own split)")
+            if plugin.partitions_itself:
+                raise ConfigError(
+                    f"{path}.partition: {self.partition} does not apply to {self.dataset} (it builds its clients' data "
+                    "itself)"
+                )
             if sum(self.group_sizes) != self.num_clients:
                 raise ConfigError(
                     f"{path}.group_sizes: {self.group_sizes} hold {sum(self.group_sizes)} clients, "
@@ -83,11 +94,10 @@ class DataConfig:
                 )
             for i, count in enumerate(self.group_classes):
                 _at_least(count, 1, f"{path}.group_classes[{i}]")
-            classes = DATASET_CLASSES.get(self.dataset)
-            if classes is not None and sum(self.group_classes) > classes:
+            if sum(self.group_classes) > signature.num_classes:
                 raise ConfigError(
                     f"{path}.group_classes: {self.group_classes} need {sum(self.group_classes)} classes, "
-                    f"{self.dataset} has {classes}"
+                    f"{self.dataset} has {signature.num_classes}"
                 )
             if self.samples_per_class is not None:
                 _at_least(self.samples_per_class, 1, f"{path}.samples_per_class")
@@ -111,27 +121,26 @@ class DataConfig:
         _at_least(self.min_size, 0, f"{path}.min_size")
         if self.test_per_client is not None:
             _at_least(self.test_per_client, 1, f"{path}.test_per_client")
-        if self.test_split != "follow_train" and self.dataset == "synthetic":
-            raise ConfigError(f"{path}.test_split: {self.test_split} does not apply to synthetic (its own split)")
-        _positive(self.synthetic_alpha, f"{path}.synthetic_alpha", allow_zero=True)
-        _positive(self.synthetic_beta, f"{path}.synthetic_beta", allow_zero=True)
+        if self.test_split != "follow_train" and plugin.partitions_itself:
+            raise ConfigError(
+                f"{path}.test_split: {self.test_split} does not apply to {self.dataset} (it builds its clients' data "
+                "itself)"
+            )
 
 
 @dataclass
 class ModelConfig:
-    name: Literal["mlp", "cnn", "logreg"] = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [200, 200])  # mlp hidden widths
-    cnn_channels: list[int] = field(default_factory=lambda: [32, 64])  # cnn conv widths (FedAvgCNN: 32, 64)
-    cnn_hidden: int = 512  # cnn fully connected width (FedAvgCNN: 512)
+    # A model factory (fairfl.models): a registered name (FairFL's built-ins are entry points of group fairfl.models:
+    # mlp, cnn, logreg) or package.module:attr of a callable factory(signature, **params) -> torch.nn.Module.
+    name: str = "mlp"
+    # The factory's parameters (its declared Params, else its keyword arguments), e.g. mlp: hidden (default
+    # [200, 200]); cnn: channels ([32, 64], FedAvgCNN), hidden (512), kernel_size (5).
+    params: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
-        for i, width in enumerate(self.hidden):
-            _at_least(width, 1, f"{path}.hidden[{i}]")
-        if len(self.cnn_channels) != 2:
-            raise ConfigError(f"{path}.cnn_channels: expected 2 conv widths, got {len(self.cnn_channels)}")
-        for i, width in enumerate(self.cnn_channels):
-            _at_least(width, 1, f"{path}.cnn_channels[{i}]")
-        _at_least(self.cnn_hidden, 1, f"{path}.cnn_hidden")
+        from fairfl.models import MODELS, factory_params
+
+        factory_params(MODELS.load(self.name, f"{path}.name"), self.params, f"{path}.params")
 
 
 @dataclass
@@ -176,55 +185,61 @@ class TrainingConfig:
 
 @dataclass
 class StrategyConfig:
+    # A registered name (FairFL's built-ins are entry points of group fairfl.strategies) or package.module:attr.
     name: str = "fedavg"
     server_lr: float = 1.0
-    params: dict[str, Scalar] = field(default_factory=dict)
+    params: dict[str, Scalar] = field(default_factory=dict)  # the strategy's declared Params
 
     def validate(self, path: str) -> None:
         _positive(self.server_lr, f"{path}.server_lr")
-        from aggregator_service.strategies import validate_strategy  # the registry owns strategy parameters
+        from fairfl.strategy import validate_strategy  # the strategy registry owns the parameters (torch: lazily)
 
         validate_strategy(self.name, self.params, path)
 
 
 @dataclass
 class SelectionConfig:
-    # Samplers of clustering_service/samplers; `clustered` is a synonym of clustered_sampling (Fraboni et al. Alg. 2).
-    method: Literal["random", "full", "hics", "power_of_choice", "clustered_sampling", "clustered", "divfl"] = "random"
+    # The sampler: a registered name (FairFL's built-ins are entry points of group fairfl.samplers: random, full, hics,
+    # power_of_choice, clustered_sampling or clustered, divfl) or package.module:attr of a fairfl.sampling.Sampler.
+    method: str = "random"
     clients_per_round: int = 10
-    # The method's parameters (clustering_service.samplers.SelectionParams; unset = the paper's value), e.g. hics:
-    # temperature, lambda_entropy, gamma0, num_clusters, warmup_rounds; power_of_choice: candidates (d).
+    # The sampler's declared parameters (its Params dataclass; unset = the paper's value), e.g. hics: temperature,
+    # lambda_entropy, gamma0, num_clusters, warmup_rounds; power_of_choice: candidates (d).
     params: dict[str, Scalar] = field(default_factory=dict)
 
-    def validate(self, path: str) -> None:
-        from clustering_service.errors import InvalidInput
-        from clustering_service.samplers import params_from_config  # the samplers own their parameters
+    def sampler_class(self) -> type[Sampler]:
+        """The sampler `method` names, loaded through the registry; PluginError naming selection.method."""
+        from fairfl.sampling import SAMPLERS
 
+        return SAMPLERS.load(self.method, "selection.method")
+
+    def sampler_params(self, path: str = "selection.params") -> Any:
+        """`params` as the sampler's Params instance; ConfigError naming `path.<key>`."""
+        return parse_params(self.sampler_class().Params, self.params, path)
+
+    def validate(self, path: str) -> None:
         _at_least(self.clients_per_round, 1, f"{path}.clients_per_round")
-        if self.method == "clustered":
-            self.method = "clustered_sampling"
-        try:
-            params_from_config(self.method, self.params)
-        except InvalidInput as err:
-            raise ConfigError(f"{path}.params.{err}") from None
+        self.sampler_params(f"{path}.params")
 
     def validate_run(self, cfg: ExperimentConfig) -> None:
-        """Rules across sections; each error names the field to change."""
-        if cfg.privacy.enabled and self.method not in ("random", "full"):
+        """Rules across sections, from what the sampler declares; each error names the field to change."""
+        from fairfl.sampling import SIGNATURE_FIELDS
+
+        cls = self.sampler_class()
+        if cfg.privacy.enabled and not cls.uniform:
             raise ConfigError(
-                f"selection.method: {self.method} selects on clients' bias updates, losses or updates, which DP runs "
-                "do not release unprotected and which break the privacy accounting's uniform sampling; use random"
+                f"selection.method: {self.method} is not a uniform sampler (it may select on clients' bias updates, "
+                "losses or updates, which DP runs do not release unprotected and which break the privacy accounting's "
+                "uniform sampling); use random"
             )
-        n = cfg.data.num_clients
-        clusters = self.params.get("num_clusters", 0)
-        if isinstance(clusters, int) and clusters > n:
-            raise ConfigError(f"selection.params.num_clusters: {clusters} exceeds data.num_clients = {n}")
-        d = self.params.get("candidates", 0)
-        if isinstance(d, int) and d and not self.clients_per_round <= d <= n:
+        collected = {"bias_update"}  # the signatures the round engine asks trained clients for
+        missing = sorted(set(cls.client_signatures) - collected)
+        if missing:
             raise ConfigError(
-                f"selection.params.candidates: d = {d} must be between selection.clients_per_round = "
-                f"{self.clients_per_round} and data.num_clients = {n} (0 = every client)"
+                f"selection.method: {self.method} needs client signatures {missing} the round engine does not collect "
+                f"for samplers (it collects {sorted(collected)} of {list(SIGNATURE_FIELDS)})"
             )
+        cls.validate_run(self.sampler_params(), cfg)
 
 
 @dataclass
@@ -287,9 +302,6 @@ class TransportConfig:
 
     def validate(self, path: str) -> None:
         pass  # the only field is a choice, checked when the config is read
-
-
-PRIVACY_STRATEGIES = ("fedavg", "fedprox", "fedfair", "qffl")  # strategies with a DP procedure (spec seed-fedfdp §7)
 
 
 @dataclass
@@ -399,13 +411,9 @@ class ExperimentConfig:
         if self.runtime.agents > self.data.num_clients:
             raise ConfigError(f"runtime.agents: {self.runtime.agents} agents for {self.data.num_clients} clients")
         self.selection.validate_run(self)
-        if self.strategy.name == "cluster2" and self.selection.method != "clustered_sampling":
-            # Cluster2 is a sampling method (Fraboni et al. Alg. 2): with any other selection it would silently be
-            # FedProx with uniform weights.
-            raise ConfigError(
-                f"selection.method: strategy cluster2 needs clustered_sampling (the clustering service's Cluster2 "
-                f"sampler), got {self.selection.method!r}"
-            )
+        from fairfl.strategy import check_run  # the strategy's declared capabilities against this run
+
+        check_run(self)
         if self.privacy.enabled:
             self._validate_privacy()
         if self.runtime.placement == "replicated" and self.privacy.enabled and self.privacy.principal == "client":
@@ -423,12 +431,7 @@ class ExperimentConfig:
 
     def _validate_privacy(self) -> None:
         """Cross-section rules of a DP run; each error names the field to change."""
-        p, name = self.privacy, self.strategy.name
-        if name not in PRIVACY_STRATEGIES:
-            raise ConfigError(
-                f"strategy.name: {name!r} has no DP procedure; with privacy.enabled use one of "
-                f"{', '.join(PRIVACY_STRATEGIES)}"
-            )
+        p = self.privacy
         if p.principal == "federation":
             # The ledger's q is clients_per_round / live candidates, at least clients_per_round / num_clients.
             q = self.selection.clients_per_round / self.data.num_clients
@@ -438,11 +441,7 @@ class ExperimentConfig:
                     f"{self.data.num_clients} = {q:.3g} clients a round, below {SAMPLE_RATE_RANGE[0]:g}, the lowest "
                     "sample rate the privacy accountant handles soundly"
                 )
-            if name != "fedavg":
-                raise ConfigError(f"strategy.name: privacy.principal federation (DP-FedAvg) needs fedavg, got {name!r}")
-            if self.strategy.params.get("server_momentum", 0):
-                raise ConfigError("strategy.params.server_momentum: must be 0 with privacy.principal federation")
-            if self.selection.method not in ("random", "full"):
+            if not self.selection.sampler_class().uniform:
                 # The accountant's q is each client's chance of being drawn; only uniform sampling gives every live
                 # client the same chance, selected / live candidates.
                 raise ConfigError(
@@ -459,11 +458,6 @@ class ExperimentConfig:
             raise ConfigError(
                 f"training.local_steps: {steps} DP-SGD steps a round exceed {COUNT_MAX}, the compositions the privacy "
                 "accountant handles soundly"
-            )
-        if name in ("fedfair", "qffl") and p.loss_noise_multiplier == 0:
-            raise ConfigError(
-                f"privacy.loss_noise_multiplier: strategy {name} uses the clients' losses, so they must be released "
-                "with noise (σ_l > 0)"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,10 +25,23 @@ from google.protobuf import json_format, struct_pb2
 
 from fairfl.schema import ConfigError, _coerce
 
-__all__ = ["PluginError", "Registry", "params_from_struct", "params_to_struct", "parse_params", "reference_of"]
+__all__ = [
+    "NoParams",
+    "PluginError",
+    "Registry",
+    "params_from_struct",
+    "params_to_struct",
+    "parse_params",
+    "reference_of",
+]
 
 T = TypeVar("T")
 Check = Callable[[Any], str | None]  # None: the object has the kind's shape; else the reason it does not
+
+
+@dataclasses.dataclass(frozen=True)
+class NoParams:
+    """The parameters of a plug-in that declares none: any key in its `params` is refused."""
 
 
 class PluginError(ConfigError):

@@ -8,11 +8,12 @@ aggregator processes read FAIRFL_DP_RANDOMNESS (default secure); in-process runs
 
 It also holds the accountant's sound range: the parameters for which dp_accounting 0.6.0 (RDP and PLD) returns a
 finite, non-zero ε on which both accountants agree, in reasonable time and memory. The experiment config refuses
-values outside it at load and the privacy service refuses them in every request (privacy_service/accountant.py).
+values outside it at load and the privacy service refuses them in every request (fairfl/accounting.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 
@@ -68,3 +69,38 @@ def out_of_sound_range(value: float, bounds: tuple[float, float]) -> str | None:
     if low <= value <= high:
         return None
     return f"must be in [{low:g}, {high:g}], the range the privacy accountant handles soundly; got {float(value)!r}"
+
+
+# --- ledger values: what a run's budget is and what a round spends, built by the aggregator, kept by the ledger ------
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A run's privacy budget. Equality ignores `created_at`, so an identical re-registration is recognised."""
+
+    run_id: str
+    epsilon: float
+    delta: float
+    accountant: str = "rdp"
+    principal_kind: str = "client"
+    orders: tuple[float, ...] | None = None  # None = the accountant's defaults
+    created_at: float = dataclasses.field(default=0.0, compare=False)
+
+    @property
+    def private(self) -> bool:
+        return self.principal_kind != "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """`count` compositions of one mechanism for one principal (client id, or "federation")."""
+
+    principal: str
+    mechanism: str
+    sample_rate: float
+    noise_multiplier: float
+    count: int = 1
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.principal, self.mechanism)

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from fairfl import codec
+from fairfl import codec, framing
+from fairfl.framing import CHUNK_BYTES
 from fairfl.params import ParamLayout
-from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import common_pb2, federation_pb2, tensor_pb2
 
 PayloadKind = int  # federation_pb2.PayloadKind value
@@ -67,35 +67,35 @@ def encode_result(
     chunk_bytes: int = CHUNK_BYTES,
     sha256_in_trailer: bool = False,
     framed: bool = False,
-) -> Iterator[federation_pb2.ResultChunk | codec.Framed]:
+) -> Iterator[federation_pb2.ResultChunk | framing.Framed]:
     """Header first, then the payload bytes (payloads in kind order, tensors in layout order) in chunks.
 
     Payloads travel in `layout.payload_dtype` (the run's transport.update_dtype); a lossy cast that leaves values that
     are not finite (float16 overflows beyond ±65504) raises CodecError before anything is sent. With
     `sha256_in_trailer` the digest is computed while the chunks stream and sent after them (ResultTrailer), so a large
     update is not read once to hash it and once more to send it; otherwise it is in the header. With `framed`, the
-    data chunks come serialised already (codec.Framed, for the `codec.serialize` serializer): one copy of the tensor
+    data chunks come serialised already (framing.Framed, for the `framing.serialize` serializer): one copy of the tensor
     memory each instead of three.
     """
     header, buffers, digest = _header_and_payload(result, layout, sha256_in_trailer)
     yield federation_pb2.ResultChunk(header=header)
     if framed:
-        for views in codec.iter_chunk_views(buffers, chunk_bytes):
-            yield codec.framed_data(views)
+        for views in framing.iter_chunk_views(buffers, chunk_bytes):
+            yield framing.framed_data(views)
     else:
-        for piece in codec.iter_byte_chunks(buffers, chunk_bytes):
+        for piece in framing.iter_byte_chunks(buffers, chunk_bytes):
             yield federation_pb2.ResultChunk(data=piece)
     if sha256_in_trailer:
         yield federation_pb2.ResultChunk(trailer=federation_pb2.ResultTrailer(sha256=digest.hexdigest()))
 
 
-def encode_upload(result: ClientResult, layout: ParamLayout, with_sha256: bool = True) -> codec.Framed:
+def encode_upload(result: ClientResult, layout: ParamLayout, with_sha256: bool = True) -> framing.Framed:
     """The serialised ResultUpload of `result` (UploadResult): header, then the payload bytes, copied once from the
     tensor memory. The header carries the payload's sha256 unless `with_sha256` is False, which only an agent on a
     mutual-TLS connection may send (TLS authenticates every byte of the one message: docs/security.md). Raises
     CodecError as encode_result does."""
     header, buffers, _ = _header_and_payload(result, layout, sha256_in_trailer=False, with_sha256=with_sha256)
-    return codec.framed_header_data(header.SerializeToString(), buffers)
+    return framing.framed_header_data(header.SerializeToString(), buffers)
 
 
 def _header_and_payload(
@@ -165,8 +165,8 @@ def _wire_payload(kind: int, flat: torch.Tensor, dtype: int) -> torch.Tensor:
 
 
 ResultPart = bytes | memoryview | federation_pb2.ResultTrailer  # what follows a ResultHeader in a result stream
-# gRPC deserializer of result streams: data chunks as views of the received bytes (codec.chunk_parser).
-parse_result_chunk = codec.chunk_parser(federation_pb2.ResultChunk)
+# gRPC deserializer of result streams: data chunks as views of the received bytes (framing.chunk_parser).
+parse_result_chunk = framing.chunk_parser(federation_pb2.ResultChunk)
 
 
 @dataclass
@@ -188,7 +188,7 @@ def parse_result_upload(raw: bytes) -> ReceivedUpload:
     then the data (as every FairFL agent and protobuf itself write it); any other valid encoding through protobuf,
     so what is accepted is exactly what protobuf would parse."""
     try:
-        parts = codec.split_header_data(raw)
+        parts = framing.split_header_data(raw)
         if parts is not None:
             return ReceivedUpload(federation_pb2.ResultHeader.FromString(parts[0]), parts[1], len(raw))
         message = federation_pb2.ResultUpload.FromString(raw)

@@ -37,6 +37,8 @@ def _positive(value: float, path: str, allow_zero: bool = False) -> None:
 
 
 def _coerce(value: Any, hint: Any, path: str) -> Any:
+    if hint is Any:  # a plug-in's raw parameters: its own declaration (fairfl.plugins.parse_params) checks them
+        return value
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if dataclasses.is_dataclass(hint):

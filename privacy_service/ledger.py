@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from fairfl.privacy import COUNT_MAX, EPSILON_RANGE
-from privacy_service import accountant as acc
+from fairfl import accounting as acc
+from fairfl.privacy import COUNT_MAX, EPSILON_RANGE, Budget, Event
 
 PRINCIPAL_KINDS: tuple[str, ...] = ("client", "federation", "none")
 MECHANISMS: tuple[str, ...] = ("gradient", "loss", "joint", "model")
@@ -83,38 +83,6 @@ DROP INDEX IF EXISTS events_by_principal;
 
 
 # --- values -----------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-    """A run's privacy budget. Equality ignores `created_at`, so an identical re-registration is recognised."""
-
-    run_id: str
-    epsilon: float
-    delta: float
-    accountant: str = "rdp"
-    principal_kind: str = "client"
-    orders: tuple[float, ...] | None = None  # None = the accountant's defaults
-    created_at: float = dataclasses.field(default=0.0, compare=False)
-
-    @property
-    def private(self) -> bool:
-        return self.principal_kind != "none"
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """`count` compositions of one mechanism for one principal (client id, or "federation")."""
-
-    principal: str
-    mechanism: str
-    sample_rate: float
-    noise_multiplier: float
-    count: int = 1
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.principal, self.mechanism)
 
 
 class RecordedEvent(NamedTuple):

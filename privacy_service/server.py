@@ -12,19 +12,11 @@ from collections.abc import Sequence
 import grpc
 
 from fairfl import telemetry, tls
-from fairfl.rpc import (
-    DEFAULT_WORKERS,
-    AccessPolicy,
-    RunningServer,
-    TransportSecurity,
-    add_limit_arguments,
-    add_transport_arguments,
-    check_limits,
-    configure_logging,
-    serve_until_signal,
-    start_server,
-    transport_from_args,
-)
+from fairfl.announce import announcement
+from fairfl.logs import configure_logging
+from fairfl.rpc_guard import DEFAULT_WORKERS, AccessPolicy, add_limit_arguments, check_limits
+from fairfl.rpc_security import TransportSecurity, add_transport_arguments, transport_from_args
+from fairfl.rpc_server import RunningServer, serve_until_signal, start_server
 from fairfl.v1 import privacy_pb2_grpc
 from privacy_service.ledger import Ledger, SqliteLedger
 from privacy_service.servicer import SERVICE_NAME, PrivacyServicer
@@ -113,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     log.info("privacy ledger at %s", os.path.abspath(args.db))
     # Machine-readable line so launchers (and tests) using port 0 learn the bound port.
-    print(telemetry.announcement(running.port, metrics), flush=True)
+    print(announcement(running.port, metrics), flush=True)
     serve_until_signal(running, [SERVICE_NAME])
     return 0
 

@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from fairfl.rpc import abort
+from fairfl import accounting as acc
+from fairfl.rpc_refusals import abort
 from fairfl.telemetry import DEFAULT_CLIENT_LIMIT
 from fairfl.v1 import privacy_pb2 as pb
 from fairfl.v1 import privacy_pb2_grpc
-from privacy_service import accountant as acc
 from privacy_service.ledger import (
     Budget,
     BudgetConflict,

@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from aggregator_service.dp import principal_events
     from aggregator_service.peers import RemotePrivacy
-    from fairfl.launcher import LocalCluster
-    from fairfl.rpc import use_security
+    from fairfl import accounting as accountant
+    from fairfl.compose.launcher import LocalCluster
+    from fairfl.rpc_security import use_security
     from fairfl.v1 import privacy_pb2, privacy_pb2_grpc
-    from privacy_service import accountant
 
     config = benchlib.load_config(
         PRESET,

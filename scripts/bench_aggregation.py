@@ -4,7 +4,7 @@
     python scripts/bench_aggregation.py --counts 10 100 --params 20000000 --json out.json
 
 Each case runs in a fresh process, so its peak memory (VmHWM, the resident high-water mark) is its own. The process
-does what the aggregator does with a round's results: the strategy's folds (aggregator_service/strategies/fold.py)
+does what the aggregator does with a round's results: the strategy's folds (fairfl/fold.py)
 take each update as it arrives through the engine's sink, the update is dropped, and the strategy forms the new model
 at the end. Updates arrive as the wire delivers them: float32 tensors viewing a receive buffer (zero-copy decode);
 two receive buffers are reused round-robin, as a server receiving two streams at a time would (generating 1000
@@ -39,9 +39,8 @@ def run_case(strategy_name: str, count: int, numel: int, streaming: bool) -> dic
     import torch
 
     from aggregator_service.engine import _folding
-    from aggregator_service.strategies import RoundContext, build_strategy
-    from aggregator_service.strategies.base import PhasePlan
     from fairfl.protocol import TRAIN, UPDATE, ClientResult
+    from fairfl.strategy import PhasePlan, RoundContext, build_strategy
     from fairfl.v1 import federation_pb2
 
     torch.set_num_threads(1)

@@ -8,7 +8,8 @@ Without a CUDA device it prints {"skipped": "no CUDA device"} (also to --json) a
 
 Three measurements, one after another, all on `cuda`:
 - preset: `fairfl run experiments/quickstart.yaml` over gRPC with `runtime.device: cuda` (services and 2 agent
-  processes on loopback, mutual TLS; 10 of 100 clients per round; scripts/benchlib.py drives it as fairfl.cli does).
+  processes on loopback, mutual TLS; 10 of 100 clients per round; scripts/benchlib.py drives it as fairfl.compose.cli
+  does).
 - packed: the same preset with one agent hosting all 100 logical clients and 50 of them per round, so one agent
   trains 50 clients back to back each round: does the GPU stay busy from one client to the next?
 - trainer: the agent's trainer alone (client_agent.trainer.ClientRuntime, no network): every hosted client runs the
@@ -147,7 +148,8 @@ def grpc_variant(config: Any, workdir: Path) -> dict[str, Any]:
 def trainer_variant(config: Any, clients: int, device: torch.device) -> dict[str, Any]:
     """Every client's TRAIN task of round 1, back to back on one ClientRuntime (what an agent does in a round)."""
     from aggregator_service.engine import initial_model
-    from client_agent.trainer import ClientRuntime, load_run_data
+    from client_agent.trainer import ClientRuntime
+    from fairfl.data import load_run_data
     from fairfl.params import synchronize
     from fairfl.v1 import federation_pb2, tensor_pb2
 

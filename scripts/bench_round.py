@@ -8,7 +8,7 @@
 Runs of the same experiment, one after another:
 - gRPC: the `fairfl run` path. Privacy, clustering and aggregator services and `runtime.agents` client agents as
   separate processes on loopback, mutual TLS with an ephemeral CA, the aggregator checkpointing every round, /metrics
-  on every process (fairfl.launcher.LocalCluster, driven as fairfl.cli.run_grpc drives it).
+  on every process (fairfl.compose.launcher.LocalCluster, driven as fairfl.compose.cli.run_grpc drives it).
 - gRPC with one agent process and one thread, when the experiment has more: one training thread, so the ratio
   shows the platform's own cost rather than what a second agent on a second core buys (reported; the acceptance
   figure is the preset as it is).
@@ -88,7 +88,7 @@ def _check_plain_loop_applies(config: Any) -> None:
     t = config.training
     if t.optimizer != "sgd" or t.prox_mu:
         problems.append("training.optimizer/prox_mu (the loop does plain SGD)")
-    if config.selection.method not in ("random", "full"):
+    if not config.selection.sampler_class().uniform:
         problems.append(f"selection.method {config.selection.method!r} (the loop replays uniform selections)")
     if problems:
         raise SystemExit("bench_round: the plain loop cannot reproduce this experiment: " + "; ".join(problems))
@@ -97,11 +97,12 @@ def _check_plain_loop_applies(config: Any) -> None:
 def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = True, threads: int = 1) -> PlainLoop:
     """The experiment's local training and evaluation in one process with plain torch (see the module doc)."""
     from aggregator_service.engine import task_seed  # the trainer's per-(round, client) seed: same batch order
-    from client_agent.trainer import build_global_model, load_run_data
+    from fairfl.data import DataSignature, load_run_data
+    from fairfl.models import build_run_model
 
     torch.set_num_threads(threads)
     data = load_run_data(config)
-    model = build_global_model(config, data.input_shape, data.num_classes)
+    model = build_run_model(config, DataSignature(data.input_shape, data.num_classes))
     params = list(model.parameters())
     clients = [
         (
@@ -202,10 +203,9 @@ class LoopTiming:
 def loss_passes_run(config: Any) -> bool:
     """Whether the experiment's clients measure F_i before and after training: the engine's rule (RoundEngine's
     train config), where a strategy that reads no losses, FedAvg's, gets them only with training.loss_telemetry."""
-    from aggregator_service.strategies import STRATEGIES
-    from aggregator_service.strategies.base import measures_client_losses
+    from fairfl.strategy import load_strategy, measures_client_losses
 
-    return measures_client_losses(STRATEGIES[config.strategy.name], config.training.loss_telemetry)
+    return measures_client_losses(load_strategy(config.strategy.name), config.training.loss_telemetry)
 
 
 @dataclass
@@ -237,7 +237,7 @@ class Pair:
 
 def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
     """`fairfl run --transport inprocess`: (arrival of each round event, process CPU then, round events)."""
-    from fairfl.cli import run_inprocess
+    from fairfl.compose.cli import run_inprocess
 
     arrivals: list[float] = []
     cpu: list[float] = []

@@ -1,5 +1,5 @@
 """Time one HiCS-FL selection over many clients, through the real clustering service (gRPC, its own process, mTLS
-as `fairfl run` deploys it) and in-process (the aggregator's LocalSelector).
+as `fairfl run` deploys it) and in-process (fairfl.compose.local_selection.LocalSelector).
 
     python scripts/bench_selection.py                       # 10,000 clients, 10 classes, 10% per round
     python scripts/bench_selection.py --clients 2000 --per-round 100 --repeats 5
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchlib
 import numpy as np
 
-from aggregator_service.peers import LocalSelector
 from aggregator_service.selection import SelectionContext, select_request
-from clustering_service.samplers import SelectionMethod, SelectionParams
+from clustering_service.samplers import HicsParams
 from fairfl import codec
-from fairfl.launcher import LocalCluster
+from fairfl.compose.launcher import LocalCluster
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc
 
 ALPHAS = (0.001, 0.002, 0.005, 0.01, 0.2)
@@ -65,7 +65,7 @@ def main() -> int:
     if args.quick:
         args.clients, args.repeats = min(args.clients, 2000), 1
     k = args.per_round or max(1, args.clients // 10)
-    params = SelectionParams(total_rounds=200, max_ward_points=args.max_ward_points or None)
+    params = HicsParams(total_rounds=200, max_ward_points=args.max_ward_points or None)
     signatures = planted_signatures(args.clients, args.classes, seed=0)
     candidates = list(range(args.clients))
 
@@ -85,7 +85,7 @@ def main() -> int:
                 )
             for repeat in range(args.repeats):
                 started = time.perf_counter()
-                reply = stub.Select(select_request(int(SelectionMethod.HICS), context(repeat)), timeout=60)
+                reply = stub.Select(select_request("hics", context(repeat)), timeout=60)
                 timings["grpc (client-side wall)"].append(time.perf_counter() - started)
                 timings["grpc (sampler, server-side)"].append(reply.selection_seconds)
                 assert len(set(reply.selected)) == k

@@ -51,8 +51,8 @@ import torch  # noqa: E402
 from client_agent.agent import FETCH_STREAMS, Agent  # noqa: E402
 from client_agent.trainer import ClientRuntime  # noqa: E402
 from fairfl import telemetry  # noqa: E402
+from fairfl.compose.launcher import LocalCluster  # noqa: E402
 from fairfl.config import experiment_from_dict  # noqa: E402
-from fairfl.launcher import LocalCluster  # noqa: E402
 from fairfl.protocol import TRAIN, UPDATE, ClientResult  # noqa: E402
 from fairfl.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES  # noqa: E402
 from fairfl.tls import ROLE_AGENT  # noqa: E402
@@ -71,7 +71,7 @@ def experiment(hidden: list[int], uploads: int, update_dtype: str, strategy: str
         # The last round (evaluated) is never reached: the run is stopped after the uploads.
         "rounds": uploads + 1,
         "data": {"dataset": "synthetic", "num_clients": 1},
-        "model": {"name": "mlp", "hidden": hidden},
+        "model": {"name": "mlp", "params": {"hidden": hidden}},
         "training": {"local_steps": 1, "batch_size": 8},
         "strategy": {"name": strategy},
         "selection": {"method": "full", "clients_per_round": 1},
@@ -150,7 +150,9 @@ def _peak_rss(pid: str) -> int:
 def one_run(cluster: LocalCluster, args: argparse.Namespace, update_dtype: str, measure_down: bool) -> dict:
     """One run on a fresh aggregator process (so no earlier run's models stay in its memory)."""
     name = f"aggregator-{update_dtype}"
-    aggregator = cluster.start_service(name, "aggregator_service", ["--rate-limit", "0"])
+    clustering = cluster.start_service(f"clustering-{update_dtype}", "clustering_service", [])  # selects for it
+    options = ["--rate-limit", "0", "--clustering", clustering.address]
+    aggregator = cluster.start_service(name, "aggregator_service", options)
     config = experiment_from_dict(experiment(args.hidden, COLD + args.repeats, update_dtype, args.strategy))
     run_id = f"bench-transfer-{update_dtype}"
     security = cluster.issue(f"bench-agent-{update_dtype}", ROLE_AGENT, [(0, 0)])
@@ -195,7 +197,7 @@ def one_run(cluster: LocalCluster, args: argparse.Namespace, update_dtype: str, 
                 )
                 sent_before = _sent_bytes()
                 with Timed(pid) as timed:
-                    agent.submit(result, runtime)
+                    agent.uploads.submit(result, runtime)
                 up.append(timed)
                 wire.append(_sent_bytes() - sent_before)
             out["up_cold"], out["up"] = up[:COLD], up[COLD:]

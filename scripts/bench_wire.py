@@ -71,7 +71,8 @@ UPDATE_ONLY = ("fedavg", "fedprox")  # one exchange per round whose results carr
 
 def check_applies(config: Any) -> None:
     """The denominator counts models down and one update up per result; other exchanges would be miscounted."""
-    if config.strategy.name not in UPDATE_ONLY or config.selection.method in ("hics", "power_of_choice"):
+    sampler = config.selection.sampler_class()  # its declared needs: signatures or loss probes add exchanges
+    if config.strategy.name not in UPDATE_ONLY or sampler.client_signatures or sampler.needs_losses:
         raise SystemExit(
             f"bench_wire: counts one model down and one update up per task; use strategy {' or '.join(UPDATE_ONLY)} "
             "without HiCS-FL signatures or power-of-choice probes"

@@ -388,8 +388,8 @@ def run_grpc_traced(
     runs under scripts/stack_sampler.py and leaves `<name>.stacks` there. Returns the trace."""
     import grpc
 
-    from fairfl.cli import follow_run
-    from fairfl.launcher import LocalCluster
+    from fairfl.compose.cli import follow_run
+    from fairfl.compose.launcher import LocalCluster
     from fairfl.v1 import control_pb2, control_pb2_grpc
 
     run_id = f"bench-{config.name}-{int(time.time())}"

@@ -14,10 +14,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from client_agent.trainer import ClientRuntime, load_run_data
+from client_agent.trainer import ClientRuntime
 from fairfl import codec
+from fairfl.compose.launcher import Child, LocalCluster
 from fairfl.config import ExperimentConfig, experiment_from_yaml
-from fairfl.launcher import Child, LocalCluster
+from fairfl.data import load_run_data
 from fairfl.v1 import federation_pb2, federation_pb2_grpc, tensor_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,11 +26,16 @@ RPC_TIMEOUT = 10.0
 
 
 def start_aggregator(cluster: LocalCluster, name: str = "aggregator", args: Iterable[str] = ()) -> Child:
-    """An aggregator process (selection and privacy in-process) from this checkout, whatever pytest's cwd."""
+    """An aggregator process from this checkout, whatever pytest's cwd, with its own clustering-service process
+    unless `args` give --clustering (the aggregator selects only through one)."""
+    args = [*args]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
         mp.chdir(REPO)
-        return cluster.start_service(name, "aggregator_service", [*args])
+        if "--clustering" not in args:
+            clustering = cluster.start_service(f"{name}-clustering", "clustering_service", [])
+            args = ["--clustering", clustering.address, *args]
+        return cluster.start_service(name, "aggregator_service", args)
 
 
 def start_service(cluster: LocalCluster, name: str, module: str, args: Iterable[str] = ()) -> Child:

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 from aggregator_service.strategies.fedfair import loss_metrics, require_finite
 from fairfl.metrics.fairness import weight_entropy
 from fairfl.protocol import UPDATE, ClientResult
+from fairfl.strategy import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 
 
 @dataclass
@@ -36,7 +36,7 @@ class AFLParams:
     lambda_lr: float = 0.1  # η_λ, the mixture's step size
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         require_finite(path, lambda_lr=self.lambda_lr)
         if self.lambda_lr < 0:

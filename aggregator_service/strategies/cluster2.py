@@ -13,7 +13,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aggregator_service.strategies.base import (
+from aggregator_service.strategies.equitable import fedprox_plan
+from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from fairfl.protocol import UPDATE, ClientResult
+from fairfl.strategy import (
     AggregateOutcome,
     PhasePlan,
     RoundContext,
@@ -21,9 +24,6 @@ from aggregator_service.strategies.base import (
     train_results,
     weighted_sum,
 )
-from aggregator_service.strategies.equitable import fedprox_plan
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
-from fairfl.protocol import UPDATE, ClientResult
 
 REQUIRED_SELECTION = "clustered_sampling"
 
@@ -33,7 +33,7 @@ class Cluster2Params:
     mu: float = 0.01  # FedProx μ, as for Equitable-FL
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         require_finite(path, mu=self.mu)
         if self.mu < 0:
@@ -52,6 +52,9 @@ def draw_weights(selected: Sequence[int], trained: Sequence[int]) -> list[float]
 
 class Cluster2(Strategy):
     name = "cluster2"
+    # Cluster2 is a sampling method (Fraboni et al. Alg. 2): with any other selection it would silently be FedProx
+    # with uniform weights.
+    required_selection = REQUIRED_SELECTION
     reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
     Params = Cluster2Params
 

@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aggregator_service.strategies.base import (
+from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from fairfl import codec
+from fairfl.privacy import dp_seed
+from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.strategy import (
     AggregateOutcome,
     PhasePlan,
     RoundContext,
@@ -27,10 +31,6 @@ from aggregator_service.strategies.base import (
     train_results,
     weighted_sum,
 )
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
-from fairfl import codec
-from fairfl.privacy import dp_seed
-from fairfl.protocol import TRAIN, UPDATE, ClientResult
 from fairfl.v1 import clustering_pb2, federation_pb2
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class EquitableParams:
     activation_mode: str = "final_epoch_mean"
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         if self.num_clusters < 1:
             raise ConfigError(f"{path}.num_clusters: must be >= 1, got {self.num_clusters}")
@@ -105,6 +105,7 @@ def check_reply(reply: clustering_pb2.ClusterReply, n: int) -> None:
 
 class Equitable(Strategy):
     name = "equitable"
+    client_signatures = frozenset({"activation"})  # clusters clients by their penultimate-layer activations
     reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
     Params = EquitableParams
 

@@ -21,7 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from aggregator_service.strategies.base import (
+from aggregator_service.strategies.equitable import fedprox_plan
+from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from fairfl.protocol import UPDATE, ClientResult
+from fairfl.strategy import (
     AggregateOutcome,
     PhasePlan,
     RoundContext,
@@ -29,9 +32,6 @@ from aggregator_service.strategies.base import (
     train_results,
     weighted_sum,
 )
-from aggregator_service.strategies.equitable import fedprox_plan
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
-from fairfl.protocol import UPDATE, ClientResult
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class FairFedParams:
     mu: float = 0.01  # FedProx μ, as for Equitable-FL
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         require_finite(path, beta=self.beta, mu=self.mu)
         if self.beta < 0:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aggregator_service.strategies.base import (
+from aggregator_service.strategies.fedfair import loss_metrics
+from fairfl.fold import ResultFold, sample_weighted
+from fairfl.protocol import TRAIN, ClientResult
+from fairfl.schema import ConfigError
+from fairfl.strategy import (
     AggregateOutcome,
     PhasePlan,
     RoundContext,
@@ -16,9 +20,9 @@ from aggregator_service.strategies.base import (
     phase_folds,
     train_phase,
 )
-from aggregator_service.strategies.fedfair import loss_metrics
-from aggregator_service.strategies.fold import ResultFold, sample_weighted
-from fairfl.protocol import TRAIN, ClientResult
+
+if TYPE_CHECKING:
+    from fairfl.config import ExperimentConfig
 
 
 @dataclass
@@ -26,8 +30,6 @@ class FedAvgParams:
     server_momentum: float = 0.0
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
-
         if not 0.0 <= self.server_momentum < 1.0:
             raise ConfigError(f"{path}.server_momentum: must be in [0, 1), got {self.server_momentum}")
 
@@ -36,6 +38,15 @@ class FedAvg(Strategy):
     name = "fedavg"
     reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
     Params = FedAvgParams
+    # DP-FedAvg: record-level DP-SGD on the clients, or client-level DP where the engine's clipped noisy average
+    # (aggregator_service/dp.py) replaces this weighted one.
+    privacy_principals = frozenset({"client", "federation"})
+
+    @classmethod
+    def validate_run(cls, cfg: ExperimentConfig, params: Any) -> None:
+        if cfg.privacy.enabled and cfg.privacy.principal == "federation" and params.server_momentum:
+            # The client-level aggregate is the engine's (no momentum); a momentum setting would be silently ignored.
+            raise ConfigError("strategy.params.server_momentum: must be 0 with privacy.principal federation")
 
     def __init__(self, params: FedAvgParams, server_lr: float) -> None:
         super().__init__(params, server_lr)

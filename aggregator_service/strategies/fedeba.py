@@ -24,7 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aggregator_service.strategies.base import (
+from fairfl.fold import ResultFold, sample_weighted, softmax_weighted
+from fairfl.metrics.fairness import loss_angle_degrees, weight_entropy
+from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
+from fairfl.strategy import (
     AggregateOutcome,
     PhasePlan,
     RoundContext,
@@ -34,9 +37,6 @@ from aggregator_service.strategies.base import (
     train_results,
     weighted_sum,
 )
-from aggregator_service.strategies.fold import ResultFold, sample_weighted, softmax_weighted
-from fairfl.metrics.fairness import loss_angle_degrees, weight_entropy
-from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2
 
 MODES = ("gradient", "adaptive", "model")
@@ -84,7 +84,7 @@ class FedEBAParams:
     clamp_eps: float = 0.0  # V002 τ clamp ε_p (e.g. 1e-6); 0 = off (V000)
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         if not self.tau > 0 or not math.isfinite(self.tau):
             raise ConfigError(f"{path}.tau: must be > 0 and finite, got {self.tau}")
@@ -105,7 +105,7 @@ class FedEBAPlusParams(FedEBAParams):
     fair_gradient: str = "gradient"
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         super().validate(path)
         if not 0 <= self.alpha <= 1:
@@ -127,7 +127,7 @@ def _losses(results: Sequence[ClientResult], attribute: str) -> np.ndarray:
 class FedEBA(Strategy):
     """EBA aggregation alone (α = 0): p = softmax(F_i(x_{t,K})/τ) over the round's clients.
 
-    Streamed (strategies/fold.py) with a running log-sum-exp, except under V002's τ clamp, whose τ_eff depends on the
+    Streamed (fairfl/fold.py) with a running log-sum-exp, except under V002's τ clamp, whose τ_eff depends on the
     spread of every loss of the round: then the results are kept and folded once all are in (the same sums)."""
 
     name = "fedeba"
@@ -195,6 +195,7 @@ class FedEBAPlus(FedEBA):
     """FedEBA+ with gradient alignment (two exchanges per round), model alignment, or V000's adaptive switch."""
 
     name = "fedeba_plus"
+    max_phases = 3  # adaptive mode: a loss probe, a gradient probe, then the aligned training
     Params = FedEBAPlusParams
 
     def _train(self, ctx: RoundContext, **fields: object) -> federation_pb2.LocalTrainingConfig:
@@ -304,6 +305,7 @@ class PracFedEBAPlus(FedEBAPlus):
     """Prac-FedEBA+: FedAvg's communication (one exchange), alignment done on the server after the fact."""
 
     name = "prac_fedeba_plus"
+    max_phases = 1  # FedAvg's communication: alignment happens on the server
     Params = FedEBAPlusParams
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:

@@ -24,7 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aggregator_service.strategies.base import (
+from fairfl.fold import ResultFold, sample_weighted
+from fairfl.metrics.fairness import psi, weight_entropy
+from fairfl.protocol import TRAIN, ClientResult
+from fairfl.strategy import (
     AggregateOutcome,
     PhasePlan,
     RoundContext,
@@ -32,9 +35,6 @@ from aggregator_service.strategies.base import (
     phase_folds,
     train_phase,
 )
-from aggregator_service.strategies.fold import ResultFold, sample_weighted
-from fairfl.metrics.fairness import psi, weight_entropy
-from fairfl.protocol import TRAIN, ClientResult
 from fairfl.v1 import federation_pb2
 
 
@@ -51,7 +51,7 @@ def loss_metrics(results: Sequence[ClientResult], weights: Sequence[float] | Non
 
 
 def require_finite(path: str, **values: float) -> None:
-    from fairfl.config import ConfigError
+    from fairfl.schema import ConfigError
 
     for name, value in values.items():
         if not math.isfinite(value):
@@ -64,7 +64,7 @@ class FedFairParams:
     initial_global_loss: float = 0.0  # F(w_0), spec §9.11
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         require_finite(path, fair_lambda=self.fair_lambda, initial_global_loss=self.initial_global_loss)
         if self.fair_lambda < 0:
@@ -75,6 +75,8 @@ class FedFairParams:
 
 class FedFair(Strategy):
     name = "fedfair"
+    privacy_principals = frozenset({"client"})  # FedFDP (Algorithm 2): DP-SGD with fair clipping
+    needs_loss_release_under_dp = True  # F is aggregated from the clients' noisy losses
     Params = FedFairParams
 
     def __init__(self, params: FedFairParams, server_lr: float) -> None:

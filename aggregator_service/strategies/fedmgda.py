@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 from aggregator_service.strategies.fedfair import loss_metrics, require_finite
 from fairfl.protocol import UPDATE, ClientResult
+from fairfl.strategy import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 
 QP_MAX_ITER = 20_000
 QP_TOL = 1e-12
@@ -36,7 +36,7 @@ class FedMGDAParams:
     normalize: bool = True
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         require_finite(path, epsilon=self.epsilon)
         if not 0.0 <= self.epsilon <= 1.0:

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aggregator_service.strategies.base import AggregateOutcome, PhasePlan, RoundContext, train_results
 from aggregator_service.strategies.fedavg import FedAvg, FedAvgParams
 from aggregator_service.strategies.fedfair import loss_metrics, require_finite
 from fairfl.protocol import TRAIN, ClientResult
+from fairfl.strategy import AggregateOutcome, PhasePlan, RoundContext, train_results
 from fairfl.v1 import federation_pb2
 
 
@@ -19,7 +19,7 @@ class FedProxParams(FedAvgParams):
     mu: float = 0.01  # proximal coefficient μ; FedEBA+'s Tables 10/11 use 0.1, μ = 0 is FedAvg
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         super().validate(path)
         require_finite(path, mu=self.mu)
@@ -30,6 +30,7 @@ class FedProxParams(FedAvgParams):
 class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
+    privacy_principals = frozenset({"client"})  # DP-SGD with the proximal term; client-level DP is FedAvg's alone
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:
         if phase_index > 0:

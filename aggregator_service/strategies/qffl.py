@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 from aggregator_service.strategies.fedfair import loss_metrics, require_finite
 from fairfl.protocol import UPDATE, ClientResult
+from fairfl.strategy import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 
 
 @dataclass
@@ -33,7 +33,7 @@ class QFFLParams:
     lipschitz: float = 0.0  # L; 0 = 1 / (the round's client lr), as in the paper's q-FedAvg
 
     def validate(self, path: str) -> None:
-        from fairfl.config import ConfigError
+        from fairfl.schema import ConfigError
 
         require_finite(path, q=self.q, lipschitz=self.lipschitz)
         if self.q < 0:
@@ -64,6 +64,8 @@ def qffl_coefficients(losses: np.ndarray, sq_norms: np.ndarray, q: float, lipsch
 
 class QFFL(Strategy):
     name = "qffl"
+    privacy_principals = frozenset({"client"})
+    needs_loss_release_under_dp = True  # q-FFL weights by the clients' (noisy) losses
     Params = QFFLParams
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:

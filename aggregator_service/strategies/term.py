@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aggregator_service.strategies.base import (
+from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from fairfl.fold import ResultFold, softmax_weighted
+from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.strategy import (
     AggregateOutcome,
     PhasePlan,
     RoundContext,
@@ -20,9 +23,6 @@ from aggregator_service.strategies.base import (
     phase_folds,
     train_phase,
 )
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
-from aggregator_service.strategies.fold import ResultFold, softmax_weighted
-from fairfl.protocol import TRAIN, UPDATE, ClientResult
 
 
 @dataclass
@@ -38,7 +38,7 @@ class TERM(Strategy):
     Params = TERMParams
 
     def _tilted(self, ctx: RoundContext) -> ResultFold:
-        """softmax(t·F_i(x_t)) over the updates, streamed with a running log-sum-exp (strategies/fold.py)."""
+        """softmax(t·F_i(x_t)) over the updates, streamed with a running log-sum-exp (fairfl/fold.py)."""
         tilt = self.params.tilt
         return softmax_weighted(ctx.params.numel(), UPDATE, lambda result: tilt * result.loss_before)
 

@@ -15,6 +15,8 @@ there can be fewer than K clusters; a distribution left empty then draws ∝ p_k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numpy.typing import NDArray
 from scipy.cluster import hierarchy
@@ -22,17 +24,14 @@ from scipy.spatial.distance import squareform
 
 from clustering_service.clustering import canonical_labels
 from clustering_service.samplers.base import (
-    Sampler,
-    SelectionInput,
-    SelectionMethod,
-    SelectionOutput,
+    check_at_least,
     data_sizes,
     require_similarity,
     round_rng,
     warmup_selection,
 )
 from clustering_service.samplers.hierarchy import angles_from_gram
-from clustering_service.state import RunState
+from fairfl.sampling import RunState, Sampler, SelectionInput, SelectionOutput
 
 # Relative slack on the 1/K mass cap, so float sums of shares that are exactly 1/K are not split.
 _MASS_SLACK = 1e-9
@@ -98,19 +97,33 @@ def draw_one_per_row(rows: NDArray[np.float64], rng: np.random.Generator) -> NDA
     return np.minimum((cdf <= u[:, None]).sum(axis=1), rows.shape[1] - 1)
 
 
+@dataclass(frozen=True)
+class ClusteredParams:
+    warmup_rounds: int | None = None  # rounds of random selection without replacement first (default 0)
+    ward_rows_as_features: bool | None = None  # Ward on the rows of the distance matrix, not on the distances
+    # Aggregator side: similarities from count sketches of this many buckets instead of the full updates (0 = exact).
+    sketch_dim: int | None = None
+
+    def validate(self, path: str) -> None:
+        check_at_least(self, ("warmup_rounds", "sketch_dim"), 0, path)
+
+
 class ClusteredSampler(Sampler):
-    method = SelectionMethod.CLUSTERED_SAMPLING
-    params_used = ("warmup_rounds", "ward_rows_as_features", "sketch_dim")
+    Params = ClusteredParams
+    needs_similarity = True
+
+    @classmethod
+    def similarity_sketch_dim(cls, params: ClusteredParams) -> int:
+        return params.sketch_dim or 0
 
     def select(self, request: SelectionInput, state: RunState) -> SelectionOutput:
         p = request.params
-        self.check_params(p)
         cands, k = request.candidates, request.num_to_select
         rng = round_rng(request.seed, request.round)
         # Fraboni's algorithm needs no warm-up: zero updates are all at distance 0.
         if (warm := warmup_selection(request, p.warmup_rounds or 0)) is not None:
             return warm
-        similarity = require_similarity(request, "CLUSTERED_SAMPLING")
+        similarity = require_similarity(request, "clustered_sampling")
         sizes = request.candidate_num_samples
         shares = data_sizes(sizes) if sizes is not None else np.ones(cands.size)
         shares = shares / shares.sum()

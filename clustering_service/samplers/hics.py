@@ -14,24 +14,27 @@ Code-parity options (§1.12): `ward_rows_as_features`, `uniform_within_cluster`,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
 from scipy.special import logsumexp
 
-from clustering_service.errors import InvalidInput
 from clustering_service.samplers.base import (
-    Sampler,
-    SelectionInput,
-    SelectionMethod,
-    SelectionOutput,
+    check_at_least,
+    check_finite,
     data_sizes,
     gumbel_top_k,
     round_rng,
     warmup_selection,
 )
 from clustering_service.samplers.hierarchy import HicsGeometry, entropy_estimate, ward_clusters
-from clustering_service.state import RunState
+from fairfl.sampling import InvalidInput, RunState, Sampler, SelectionInput, SelectionOutput
+from fairfl.schema import ConfigError
+
+if TYPE_CHECKING:
+    from fairfl.config import ExperimentConfig
 
 # Paper defaults (seed-hicsfl.md §1.10, FMNIST): T, λ, γ0; exact Ward up to this many clients.
 DEFAULT_TEMPERATURE = 0.0025
@@ -58,26 +61,53 @@ def cluster_log_probabilities(labels: NDArray[np.int64], entropies: NDArray[np.f
     return logits - logsumexp(logits)
 
 
+@dataclass(frozen=True)
+class HicsParams:
+    """None = the paper's value (seed-hicsfl.md §1.10)."""
+
+    temperature: float | None = None  # T of softmax(Δb/T); default 0.0025
+    lambda_entropy: float | None = None  # λ of the distance; default 10
+    gamma0: float | None = None  # γ0 of γ_t = γ0(1 − t/𝒯); default 4
+    num_clusters: int | None = None  # M; None or 0 = the number selected per round (the paper's M = K)
+    # 𝒯: the run's rounds (supplied by the aggregator through run_params, never configured).
+    total_rounds: int | None = None
+    warmup_rounds: int | None = None  # random rounds without replacement first; default ⌈N/K⌉
+    # Code-parity options (§1.12): Ward on the distance rows as features, clients of a cluster equally likely instead
+    # of ∝ data size, bias updates frozen after the warm-up.
+    ward_rows_as_features: bool | None = None
+    uniform_within_cluster: bool | None = None
+    freeze_after_warmup: bool | None = None
+    # Exact Ward up to this many clients; above, Ward on this many representatives (samplers/hierarchy.py).
+    max_ward_points: int | None = None
+
+    def validate(self, path: str) -> None:
+        check_finite(self, ("temperature",), path, positive=True)
+        check_finite(self, ("lambda_entropy", "gamma0"), path)
+        check_at_least(self, ("num_clusters", "warmup_rounds"), 0, path)
+        check_at_least(self, ("total_rounds",), 1, path)
+        check_at_least(self, ("max_ward_points",), 2, path)
+
+
 class HicsSampler(Sampler):
-    method = SelectionMethod.HICS
-    params_used = (
-        "temperature",
-        "lambda_entropy",
-        "gamma0",
-        "num_clusters",
-        "total_rounds",
-        "warmup_rounds",
-        "ward_rows_as_features",
-        "uniform_within_cluster",
-        "freeze_after_warmup",
-        "max_ward_points",
-    )
+    Params = HicsParams
+    client_signatures = frozenset({"bias_update"})  # clients' output-layer bias updates Δb
+
+    @classmethod
+    def validate_run(cls, params: HicsParams, cfg: ExperimentConfig) -> None:
+        if params.total_rounds is not None:
+            raise ConfigError("selection.params.total_rounds: set by the run (rounds), not a parameter to configure")
+        n = cfg.data.num_clients
+        if params.num_clusters is not None and params.num_clusters > n:
+            raise ConfigError(f"selection.params.num_clusters: {params.num_clusters} exceeds data.num_clients = {n}")
+
+    @classmethod
+    def run_params(cls, params: HicsParams, cfg: ExperimentConfig) -> HicsParams:
+        return replace(params, total_rounds=cfg.rounds)
 
     def select(self, request: SelectionInput, state: RunState) -> SelectionOutput:
         p = request.params
-        self.check_params(p)
         if p.total_rounds is None:
-            raise InvalidInput("params.total_rounds is required for HICS (γ_t = γ0(1 − t/total_rounds))")
+            raise InvalidInput("params.total_rounds is required for hics (γ_t = γ0(1 − t/total_rounds))")
         cands, k = request.candidates, request.num_to_select
         warmup = p.warmup_rounds if p.warmup_rounds is not None else default_warmup(cands.size, k)
         if (warm := warmup_selection(request, warmup)) is not None:

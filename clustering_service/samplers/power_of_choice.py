@@ -8,33 +8,48 @@ A as `candidates` and their losses; the answer is the top K by loss (ties: lower
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from clustering_service.errors import InvalidInput
-from clustering_service.samplers.base import (
-    Sampler,
-    SelectionInput,
-    SelectionMethod,
-    SelectionOutput,
-    data_sizes,
-    gumbel_top_k,
-    round_rng,
-)
-from clustering_service.state import RunState
+from clustering_service.samplers.base import check_at_least, data_sizes, gumbel_top_k, round_rng
+from fairfl.sampling import InvalidInput, RunState, Sampler, SelectionInput, SelectionOutput
+from fairfl.schema import ConfigError
+
+if TYPE_CHECKING:
+    from fairfl.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class PowerOfChoiceParams:
+    # d, the size of the candidate set whose losses are compared (None or 0 = every candidate, the paper's ideal).
+    candidates: int | None = None
+
+    def validate(self, path: str) -> None:
+        check_at_least(self, ("candidates",), 0, path)
 
 
 class PowerOfChoiceSampler(Sampler):
-    method = SelectionMethod.POWER_OF_CHOICE
-    params_used = ("choice_candidates",)
+    Params = PowerOfChoiceParams
+    needs_losses = True
+
+    @classmethod
+    def validate_run(cls, params: PowerOfChoiceParams, cfg: ExperimentConfig) -> None:
+        d, k, n = params.candidates, cfg.selection.clients_per_round, cfg.data.num_clients
+        if d and not k <= d <= n:
+            raise ConfigError(
+                f"selection.params.candidates: d = {d} must be between selection.clients_per_round = {k} and "
+                f"data.num_clients = {n} (0 = every client)"
+            )
 
     def select(self, request: SelectionInput, state: RunState) -> SelectionOutput:
-        self.check_params(request.params)
         cands, k = request.candidates, request.num_to_select
         losses = request.candidate_losses
         if losses is not None:
             order = np.lexsort((cands, -losses))[:k]  # highest loss first, then lower id
             return SelectionOutput(selected=tuple(cands[order].tolist()))
-        d = request.params.choice_candidates or cands.size
+        d = request.params.candidates or cands.size
         if d < k:
             raise InvalidInput(f"params.candidates (d = {d}) must be >= num_to_select ({k}): pow-d picks K of d")
         if d >= cands.size:

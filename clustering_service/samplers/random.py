@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from clustering_service.samplers.base import Sampler, SelectionInput, SelectionMethod, SelectionOutput
-from clustering_service.state import RunState
+from fairfl.sampling import RunState, Sampler, SelectionInput, SelectionOutput
 
 
 class RandomSampler(Sampler):
-    method = SelectionMethod.RANDOM
+    uniform = True  # depends on (seed, round) and the candidate set only: DP's accounting holds
 
     def select(self, request: SelectionInput, state: RunState) -> SelectionOutput:
-        self.check_params(request.params)  # it takes none: a set parameter is a mistake worth reporting
         # Seeding from (seed, round) alone makes every round reproducible on its own (a resumed run or the
         # in-process oracle picks the same clients) while rounds stay independent of each other.
         rng = np.random.default_rng([request.seed, request.round])

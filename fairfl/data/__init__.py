@@ -1,7 +1,6 @@
-"""Datasets, federated partitioners and the federated view used by clients and the aggregator."""
+"""Datasets, dataset plug-ins, federated partitioners and the federated view used by clients and the aggregator."""
 
 from fairfl.data.datasets import (
-    DATASET_NAMES,
     ENV_DATA_DIR,
     ArrayDataset,
     DatasetNotFoundError,
@@ -19,26 +18,38 @@ from fairfl.data.partition import (
     partition_shards,
     test_split_following,
 )
+from fairfl.data.plugin import DATASETS, DataProvider, DataRequest, Dataset, NoParams, resolve_dataset
+from fairfl.data.run import load_run_data, run_dataset, run_signature
+from fairfl.data.signature import DataSignature
 from fairfl.data.synthetic import synthetic_leaf
 
 __all__ = [
-    "DATASET_NAMES",
+    "DATASETS",
     "ENV_DATA_DIR",
     "GROUPED_PARTITIONS",
     "PARTITIONS",
     "ArrayDataset",
+    "DataProvider",
+    "DataRequest",
+    "DataSignature",
+    "Dataset",
     "DatasetNotFoundError",
     "FederatedData",
+    "NoParams",
     "build_federated",
     "clear_cache",
     "client_groups",
     "load_dataset",
+    "load_run_data",
     "parse_idx",
     "partition_dirichlet",
     "partition_dirichlet_groups",
     "partition_iid",
     "partition_label_groups",
     "partition_shards",
+    "resolve_dataset",
+    "run_dataset",
+    "run_signature",
     "synthetic_leaf",
     "test_split_following",
 ]

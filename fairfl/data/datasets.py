@@ -26,6 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from fairfl.data.plugin import DataRequest, Dataset
+from fairfl.data.signature import DataSignature
+
 ENV_DATA_DIR = "FAIRFL_DATA_DIR"
 DEBIAN_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = ("train", "test")
@@ -74,6 +77,7 @@ class ArrayDataset:
 @dataclass(frozen=True)
 class _Spec:
     kind: str  # "idx" or "cifar"
+    input_shape: tuple[int, ...]
     dir_names: tuple[str, ...]  # sub-directories of a search root that may hold the files
     num_classes: int
     mean: tuple[float, ...]
@@ -94,6 +98,7 @@ _CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
 _SPECS: dict[str, _Spec] = {
     "fashion_mnist": _Spec(
         "idx",
+        (1, 28, 28),
         ("fashion_mnist", "fashion-mnist", "FashionMNIST/raw"),
         10,
         (0.2860,),
@@ -102,11 +107,18 @@ _SPECS: dict[str, _Spec] = {
         DEBIAN_FASHION_MNIST_DIR,
     ),
     "mnist": _Spec(
-        "idx", ("mnist", "MNIST/raw"), 10, (0.1307,), (0.3081,), "https://ossci-datasets.s3.amazonaws.com/mnist/"
+        "idx",
+        (1, 28, 28),
+        ("mnist", "MNIST/raw"),
+        10,
+        (0.1307,),
+        (0.3081,),
+        "https://ossci-datasets.s3.amazonaws.com/mnist/",
     ),
     # True per-channel std of the CIFAR-10 train set (the often-quoted 0.2023/0.1994/0.2010 are not).
     "cifar10": _Spec(
         "cifar",
+        (3, 32, 32),
         ("cifar10", "cifar-10"),
         10,
         (0.4914, 0.4822, 0.4465),
@@ -114,7 +126,6 @@ _SPECS: dict[str, _Spec] = {
         "https://www.cs.toronto.edu/~kriz/",
     ),
 }
-DATASET_NAMES: tuple[str, ...] = tuple(_SPECS)
 
 
 # ---------------------------------------------------------------------------------------------------------------- IDX
@@ -396,7 +407,7 @@ def load_dataset(name: str, split: str, root: str | None = None, download: bool 
     The returned arrays are shared within the process and read-only.
     """
     if name not in _SPECS:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)}")
+        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(_SPECS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     env_dir = os.environ.get(ENV_DATA_DIR) or None
@@ -410,3 +421,30 @@ def load_dataset(name: str, split: str, root: str | None = None, download: bool 
     except (OSError, http.client.HTTPException, tarfile.TarError, EOFError, zlib.error) as exc:
         raise _not_found(name, split, _search_dirs(name, root, env_dir), f"{type(exc).__name__}: {exc}") from exc
     return _load_cached(name, split, root, env_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------- plug-ins
+
+
+class FileDataset(Dataset):
+    """A built-in public dataset read from its official files (registered as entry points of `fairfl.datasets`)."""
+
+    def __init__(self, name: str) -> None:
+        if name not in _SPECS:
+            raise ValueError(f"no built-in dataset files for {name!r}")
+        self.name = name
+
+    def signature(self, params: Any) -> DataSignature:
+        spec = _SPECS[self.name]
+        return DataSignature(spec.input_shape, spec.num_classes)
+
+    def load(self, split: str, params: Any, request: DataRequest) -> ArrayDataset:
+        return load_dataset(self.name, split, root=request.root, download=request.download)
+
+    def __repr__(self) -> str:
+        return f"FileDataset({self.name!r})"
+
+
+FASHION_MNIST = FileDataset("fashion_mnist")
+MNIST = FileDataset("mnist")
+CIFAR10 = FileDataset("cifar10")

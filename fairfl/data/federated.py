@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from fairfl.data.datasets import ArrayDataset, load_dataset
+from fairfl.data.datasets import ArrayDataset
 from fairfl.data.groups import client_groups
 from fairfl.data.partition import (
     partition_dirichlet,
@@ -16,7 +18,16 @@ from fairfl.data.partition import (
     partition_shards,
     test_split_following,
 )
-from fairfl.data.synthetic import synthetic_leaf
+from fairfl.data.plugin import (
+    DataPlugin,
+    DataProvider,
+    DataRequest,
+    dataset_params,
+    dataset_signature_of,
+    resolve_dataset,
+)
+from fairfl.data.signature import DataSignature
+from fairfl.plugins import PluginError
 
 PARTITIONS = ("iid", "shards", "dirichlet", "label_groups", "dirichlet_groups")
 TEST_SPLITS = ("follow_train", "iid")
@@ -70,7 +81,7 @@ class FederatedData:
 
 
 def build_federated(
-    dataset: str,
+    dataset: str | DataPlugin | type,
     num_clients: int,
     partition: str,
     seed: int,
@@ -81,8 +92,7 @@ def build_federated(
     alpha: float = 0.5,
     min_size: int = 10,
     test_per_client: int | None = None,
-    synthetic_alpha: float = 1.0,
-    synthetic_beta: float = 1.0,
+    params: Any = None,
     group_sizes: list[int] | None = None,
     group_classes: list[int] | None = None,
     samples_per_class: int | None = None,
@@ -91,6 +101,8 @@ def build_federated(
 ) -> FederatedData:
     """Load ``dataset`` and split it among ``num_clients`` clients; the same arguments always give the same split.
 
+    ``dataset`` is a dataset plug-in (fairfl.data.plugin), by name, ``package.module:attr`` or as the object;
+    ``params`` its parameters (a mapping checked against its declared Params, or the parsed Params).
     ``partition`` ('iid' | 'shards' | 'dirichlet' | 'label_groups') splits the training set ('label_groups': clients
     in groups of ``group_sizes`` with disjoint label sets, see partition_label_groups; 'dirichlet_groups': HiCS-FL's
     groups of ``group_sizes`` clients with Dirichlet(``group_alphas[g]``) label skew, see partition_dirichlet_groups;
@@ -98,20 +110,32 @@ def build_federated(
     Each client's test set is drawn from the official test set following its train label mix (``test_per_client``
     samples, default len(test) // num_clients), or with ``test_split='iid'`` is a disjoint random slice of it (so the
     mean client accuracy is the accuracy on the union, the whole test set at the default size).
-    ``dataset='synthetic'`` uses LEAF's Synthetic(α, β) with its own per-client split, ignoring ``partition``.
+    A DataProvider (e.g. 'synthetic': LEAF's Synthetic(α, β)) builds its clients itself, ignoring ``partition``.
     """
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients!r}")
-    if dataset == "synthetic":
-        train, test, train_idx, test_idx = synthetic_leaf(synthetic_alpha, synthetic_beta, num_clients, seed)
-        return FederatedData(train, test, train_idx, test_idx)
+    plugin = resolve_dataset(dataset)
+    parsed = params if dataclasses.is_dataclass(params) else dataset_params(plugin, params)
+    signature = dataset_signature_of(plugin, parsed)
+    request = DataRequest(root=root, download=download, num_clients=num_clients, seed=seed)
+    if isinstance(plugin, DataProvider):
+        data = plugin.clients(parsed, request)
+        if not isinstance(data, FederatedData) or data.num_clients != num_clients:
+            got = f"{data.num_clients} clients" if isinstance(data, FederatedData) else type(data).__name__
+            raise PluginError(
+                f"data.dataset: {type(plugin).__qualname__}.clients() must return a FederatedData of {num_clients} "
+                f"clients, got {got}"
+            )
+        _check_signature(plugin, signature, data.train, data.test)
+        return data
     if partition not in PARTITIONS:
         raise ValueError(f"unknown partition {partition!r}; valid: {', '.join(PARTITIONS)}")
     if test_split not in TEST_SPLITS:
         raise ValueError(f"unknown test_split {test_split!r}; valid: {', '.join(TEST_SPLITS)}")
 
-    train = load_dataset(dataset, "train", root=root, download=download)
-    test = load_dataset(dataset, "test", root=root, download=download)
+    train = plugin.load("train", parsed, request)
+    test = plugin.load("test", parsed, request)
+    _check_signature(plugin, signature, train, test)
     # Independent child streams: changing how one step consumes randomness never shifts the other.
     partition_rng, test_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     if partition == "iid":
@@ -145,3 +169,19 @@ def build_federated(
     else:
         test_idx = test_split_following([train.y[i] for i in train_idx], test.y, size, train.num_classes, test_rng)
     return FederatedData(train, test, train_idx, test_idx, client_groups(partition, group_sizes or []))
+
+
+def _check_signature(plugin: DataPlugin, signature: DataSignature, *splits: ArrayDataset) -> None:
+    """The loaded arrays must match the declared signature: the aggregator built the model from the declaration."""
+    for data in splits:
+        if not isinstance(data, ArrayDataset):
+            raise PluginError(
+                f"data.dataset: {type(plugin).__qualname__} returned {type(data).__name__}, expected an "
+                "fairfl.data.ArrayDataset"
+            )
+        if data.input_shape != signature.input_shape or data.num_classes != signature.num_classes:
+            raise PluginError(
+                f"data.dataset: {type(plugin).__qualname__} declares input_shape {signature.input_shape} and "
+                f"{signature.num_classes} classes, but its data {data.name!r} has input_shape {data.input_shape} and "
+                f"{data.num_classes} classes"
+            )

@@ -8,9 +8,20 @@ as standard deviations (identical to variances for the usual α = β = 1).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from fairfl.data.datasets import ArrayDataset
+from fairfl.data.federated import FederatedData
+from fairfl.data.plugin import DataProvider, DataRequest
+from fairfl.data.signature import DataSignature
+from fairfl.schema import ConfigError
+
+DIM = 60
+NUM_CLASSES = 10
 
 
 def synthetic_leaf(
@@ -18,8 +29,8 @@ def synthetic_leaf(
     beta: float,
     num_clients: int,
     seed: int,
-    dim: int = 60,
-    num_classes: int = 10,
+    dim: int = DIM,
+    num_classes: int = NUM_CLASSES,
     test_fraction: float = 0.2,
     min_samples: int = 50,
     max_samples: int = 1000,
@@ -77,3 +88,33 @@ def synthetic_leaf(
         )
 
     return pooled(train_x, train_y), pooled(test_x, test_y), train_idx, test_idx
+
+
+@dataclass(frozen=True)
+class SyntheticParams:
+    """`data.params` of synthetic: LEAF's α (how much the clients' models differ) and β (how much their inputs do)."""
+
+    alpha: float = 1.0
+    beta: float = 1.0
+
+    def validate(self, path: str) -> None:
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{path}.{name}: must be >= 0 and finite, got {value}")
+
+
+class Synthetic(DataProvider):
+    """LEAF's Synthetic(α, β): every client's data generated from the run seed, with its own train/test split."""
+
+    Params = SyntheticParams
+
+    def signature(self, params: Any) -> DataSignature:
+        return DataSignature((DIM,), NUM_CLASSES)
+
+    def clients(self, params: Any, request: DataRequest) -> FederatedData:
+        train, test, train_idx, test_idx = synthetic_leaf(params.alpha, params.beta, request.num_clients, request.seed)
+        return FederatedData(train, test, train_idx, test_idx)
+
+
+SYNTHETIC = Synthetic()

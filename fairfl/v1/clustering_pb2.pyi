@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from fairfl.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -93,7 +94,7 @@ class SelectionParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., lambda_entropy: _Optional[float] = ..., gamma0: _Optional[float] = ..., num_clusters: _Optional[int] = ..., total_rounds: _Optional[int] = ..., warmup_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., ward_rows_as_features: _Optional[bool] = ..., uniform_within_cluster: _Optional[bool] = ..., freeze_after_warmup: _Optional[bool] = ..., max_ward_points: _Optional[int] = ...) -> None: ...
 
 class SelectRequest(_message.Message):
-    __slots__ = ("run_id", "round", "num_to_select", "candidates", "method", "seed", "params", "candidate_losses", "similarity", "candidate_num_samples")
+    __slots__ = ("run_id", "round", "num_to_select", "candidates", "method", "seed", "params", "candidate_losses", "similarity", "candidate_num_samples", "sampler", "sampler_params")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_TO_SELECT_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +105,8 @@ class SelectRequest(_message.Message):
     CANDIDATE_LOSSES_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     num_to_select: int
@@ -114,7 +117,9 @@ class SelectRequest(_message.Message):
     candidate_losses: _containers.RepeatedScalarFieldContainer[float]
     similarity: _tensor_pb2.Tensor
     candidate_num_samples: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., num_to_select: _Optional[int] = ..., candidates: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[SelectionMethod, str]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[SelectionParams, _Mapping]] = ..., candidate_losses: _Optional[_Iterable[float]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_num_samples: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampler: str
+    sampler_params: _struct_pb2.Struct
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., num_to_select: _Optional[int] = ..., candidates: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[SelectionMethod, str]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[SelectionParams, _Mapping]] = ..., candidate_losses: _Optional[_Iterable[float]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_num_samples: _Optional[_Iterable[int]] = ..., sampler: _Optional[str] = ..., sampler_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class SelectReply(_message.Message):
     __slots__ = ("selected", "cluster_of_selected", "selection_seconds", "needs_losses", "instance_id")

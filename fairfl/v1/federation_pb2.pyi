@@ -1,5 +1,6 @@
 from fairfl.v1 import common_pb2 as _common_pb2
 from fairfl.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -181,7 +182,7 @@ class DpSgd(_message.Message):
     def __init__(self, sample_rate: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., fair_lambda: _Optional[float] = ..., loss_noise_multiplier: _Optional[float] = ..., loss_clip: _Optional[float] = ..., loss_clip_min: _Optional[float] = ..., grad_normalizer: _Optional[_Union[GradNormalizer, str]] = ..., fixed_batch: _Optional[int] = ..., shared_loss_batch: _Optional[bool] = ..., plaintext_telemetry: _Optional[bool] = ...) -> None: ...
 
 class LocalTrainingConfig(_message.Message):
-    __slots__ = ("local_steps", "local_epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "prox_mu", "alignment", "fair_step", "dp", "record_first_step", "want_bias_update", "want_activation", "loss_eval_batches", "activation_mode", "skip_losses")
+    __slots__ = ("local_steps", "local_epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "prox_mu", "alignment", "fair_step", "dp", "record_first_step", "want_bias_update", "want_activation", "loss_eval_batches", "activation_mode", "skip_losses", "procedures")
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +200,7 @@ class LocalTrainingConfig(_message.Message):
     LOSS_EVAL_BATCHES_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_MODE_FIELD_NUMBER: _ClassVar[int]
     SKIP_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    PROCEDURES_FIELD_NUMBER: _ClassVar[int]
     local_steps: int
     local_epochs: int
     batch_size: int
@@ -216,7 +218,16 @@ class LocalTrainingConfig(_message.Message):
     loss_eval_batches: int
     activation_mode: ActivationMode
     skip_losses: bool
-    def __init__(self, local_steps: _Optional[int] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., optimizer: _Optional[_Union[Optimizer, str]] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., prox_mu: _Optional[float] = ..., alignment: _Optional[_Union[GradientAlignment, _Mapping]] = ..., fair_step: _Optional[_Union[FairStep, _Mapping]] = ..., dp: _Optional[_Union[DpSgd, _Mapping]] = ..., record_first_step: _Optional[bool] = ..., want_bias_update: _Optional[bool] = ..., want_activation: _Optional[bool] = ..., loss_eval_batches: _Optional[int] = ..., activation_mode: _Optional[_Union[ActivationMode, str]] = ..., skip_losses: _Optional[bool] = ...) -> None: ...
+    procedures: _containers.RepeatedCompositeFieldContainer[ProcedureSpec]
+    def __init__(self, local_steps: _Optional[int] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., optimizer: _Optional[_Union[Optimizer, str]] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., prox_mu: _Optional[float] = ..., alignment: _Optional[_Union[GradientAlignment, _Mapping]] = ..., fair_step: _Optional[_Union[FairStep, _Mapping]] = ..., dp: _Optional[_Union[DpSgd, _Mapping]] = ..., record_first_step: _Optional[bool] = ..., want_bias_update: _Optional[bool] = ..., want_activation: _Optional[bool] = ..., loss_eval_batches: _Optional[int] = ..., activation_mode: _Optional[_Union[ActivationMode, str]] = ..., skip_losses: _Optional[bool] = ..., procedures: _Optional[_Iterable[_Union[ProcedureSpec, _Mapping]]] = ...) -> None: ...
+
+class ProcedureSpec(_message.Message):
+    __slots__ = ("ref", "params")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    params: _struct_pb2.Struct
+    def __init__(self, ref: _Optional[str] = ..., params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class ProbeConfig(_message.Message):
     __slots__ = ("want_gradient", "gradient_batches", "batch_size", "loss_eval_batches")

@@ -23,12 +23,14 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine, initial_model
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
-from client_agent.trainer import ClientRuntime, load_run_data
-from fairfl import codec
+from client_agent.trainer import ClientRuntime
+from fairfl import codec, framing
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.launcher import LocalCluster
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ExperimentConfig, experiment_from_dict, experiment_from_yaml
-from fairfl.launcher import LocalCluster
+from fairfl.data import load_run_data
 from fairfl.params import ParamLayout
 from fairfl.protocol import EVALUATE, TRAIN, UPDATE, ClientResult, encode_result, encode_upload, parse_result_upload
 from fairfl.tls import ROLE_AGENT
@@ -51,7 +53,7 @@ CONFIG = {
     "seed": 3,
     "rounds": 3,
     "data": {"dataset": "synthetic", "num_clients": 4},
-    "model": {"name": "mlp", "hidden": [8]},
+    "model": {"name": "mlp", "params": {"hidden": [8]}},
     # loss_telemetry: FedAvg's tasks then owe their losses, so the NaN-loss cases are refusals, not withheld values.
     "training": {"local_steps": 3, "batch_size": 16, "lr": 0.05, "loss_telemetry": True},
     "selection": {"method": "random", "clients_per_round": 2},
@@ -116,7 +118,7 @@ def wrong_dtype(ctx: Ctx) -> list[federation_pb2.ResultChunk]:
     header.payloads.append(federation_pb2.Payload(kind=UPDATE, tensors=bundle.specs))
     header.total_bytes = bundle.total_bytes
     header.sha256 = bundle.sha256
-    data = [federation_pb2.ResultChunk(data=piece) for piece in codec.iter_byte_chunks(bundle.buffers, 256)]
+    data = [federation_pb2.ResultChunk(data=piece) for piece in framing.iter_byte_chunks(bundle.buffers, 256)]
     return [chunks[0], *data]
 
 
@@ -267,7 +269,7 @@ def upload_reordered(ctx: Ctx) -> bytes:
     """The correct result with its data field before its header: valid protobuf, so accepted like any other."""
     header, data = _upload_parts(ctx)
     raw = federation_pb2.ResultUpload(data=data).SerializeToString() + _upload(header, b"")
-    assert codec.split_header_data(raw) is None  # not the layout the fast parser takes
+    assert framing.split_header_data(raw) is None  # not the layout the fast parser takes
     return raw
 
 
@@ -627,7 +629,9 @@ def start_aggregator(cluster: LocalCluster) -> str:
     with pytest.MonkeyPatch.context() as mp:  # the child imports the repository's packages wherever pytest runs
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
         mp.chdir(REPO)
-        return cluster.start_service("aggregator", "aggregator_service", ["--log-level", "INFO"]).address
+        clustering = cluster.start_service("clustering", "clustering_service", [])  # the aggregator selects through it
+        args = ["--clustering", clustering.address, "--log-level", "INFO"]
+        return cluster.start_service("aggregator", "aggregator_service", args).address
 
 
 @pytest.fixture(scope="module")

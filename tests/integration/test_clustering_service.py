@@ -20,9 +20,10 @@ import pytest
 
 from clustering_service.samplers import SelectionInput
 from clustering_service.samplers import select as select_in_process
-from clustering_service.state import RunState
+from clustering_service.state import RunState, Signature
 from fairfl.codec import tensor_to_proto
-from fairfl.rpc import SHORT_DEADLINE, open_channel, wait_for_serving
+from fairfl.rpc import SHORT_DEADLINE
+from fairfl.rpc_channel import open_channel, wait_for_serving
 from fairfl.v1 import clustering_pb2 as pb
 from fairfl.v1 import clustering_pb2_grpc
 
@@ -126,6 +127,31 @@ def test_select_over_grpc_matches_in_process_oracle(stub: clustering_pb2_grpc.Cl
         )
         assert tuple(reply.selected) == oracle.selected
         assert reply.selection_seconds >= 0.0
+
+
+def test_a_user_sampler_by_module_attr_runs_inside_the_service(stub: clustering_pb2_grpc.ClusteringStub) -> None:
+    # Resolved by the service through the registry: the module is imported in its process, not in the caller's.
+    ref = "tests.unit.test_user_sampler:BiasNormSampler"
+    rng = np.random.default_rng(5)
+    bias = {c: rng.standard_normal(4) * (c + 1) for c in range(6)}
+    signatures = [
+        pb.ClientSignature(client_id=c, round=1, num_samples=10, bias_update=tensor_to_proto("b", bias[c]))
+        for c in range(6)
+    ]
+    stub.ReportSignatures(pb.ReportSignaturesRequest(run_id="user", signatures=signatures), timeout=SHORT_DEADLINE)
+    request = pb.SelectRequest(run_id="user", round=2, num_to_select=2, candidates=[5, 0, 3, 1], sampler=ref, seed=1)
+    request.sampler_params.update({"largest": False})
+    reply = stub.Select(request, timeout=SHORT_DEADLINE)
+    state = RunState("user")
+    state.put([Signature(c, 1, 10, bias_update=bias[c]) for c in range(6)])
+    selection = SelectionInput("user", 2, 2, np.asarray([5, 0, 3, 1]), seed=1, params={"largest": False})
+    smallest = sorted([5, 0, 3, 1], key=lambda c: float(np.linalg.norm(bias[c])))[:2]
+    assert tuple(reply.selected) == select_in_process(ref, selection, state).selected == tuple(sorted(smallest))
+    request.sampler_params.update({"largest": "no"})
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.Select(request, timeout=SHORT_DEADLINE)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampler_params.largest: expected true or false" in bad.value.details()
 
 
 def test_cluster_over_grpc(stub: clustering_pb2_grpc.ClusteringStub) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fairfl.results import FAIRNESS_COLUMNS
+from fairfl.compose.results import FAIRNESS_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {
@@ -21,7 +21,7 @@ BASE = {
     "seed": 0,
     "rounds": 4,
     "data": {"dataset": "synthetic", "num_clients": 8},
-    "model": {"name": "mlp", "hidden": [16]},
+    "model": {"name": "mlp", "params": {"hidden": [16]}},
     "training": {"local_steps": 3, "batch_size": 20, "lr": 0.05},
     "selection": {"clients_per_round": 3},
     "evaluation": {"every": 2},
@@ -36,7 +36,7 @@ def compare(tmp_path: Path, runs: list[dict[str, Any]], *extra: str) -> subproce
     spec = {"name": "tiny", "base": "base.yaml", "seeds": [0], "jobs": 2, "paper_source": "made-up", "runs": runs}
     (tmp_path / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "fairfl.cli", "compare", str(tmp_path / "compare.yaml"), *extra]
+    cmd = [sys.executable, "-m", "fairfl.compose", "compare", str(tmp_path / "compare.yaml"), *extra]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -12,16 +12,17 @@ import grpc
 import pytest
 import torch
 
-from aggregator_service.clustering_peer import ClusteringFailed, LocalClusterer, RemoteClusterer
+from aggregator_service.clustering_peer import ClusteringFailed, RemoteClusterer
 from aggregator_service.engine import RoundEngine
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
 from clustering_service.servicer import ClusteringServicer
 from fairfl import codec
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.launcher import LocalCluster
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalClusterer, LocalSelector
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.data.datasets import DatasetNotFoundError, load_dataset
-from fairfl.launcher import LocalCluster
-from fairfl.rpc import start_server
+from fairfl.rpc_server import start_server
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, control_pb2, control_pb2_grpc
 
 
@@ -49,7 +50,7 @@ def _config() -> ExperimentConfig:
                 "samples_per_class": 30,
                 "test_per_client": 60,
             },
-            "model": {"name": "mlp", "hidden": [32, 16]},
+            "model": {"name": "mlp", "params": {"hidden": [32, 16]}},
             "training": {"local_epochs": 2, "batch_size": 20, "lr": 0.05},
             "strategy": {"name": "equitable", "params": {"num_clusters": 2, "mu": 0.01}},
             "selection": {"clients_per_round": 3},
@@ -73,8 +74,9 @@ def test_equitable_over_grpc_matches_inprocess(tmp_path: Path) -> None:
         pytest.skip("Fashion-MNIST is not installed (Debian package dataset-fashion-mnist)")
     config = _config()
     events: list[control_pb2.RunEvent] = []
+    selector = LocalSelector(config.selection.method)
     oracle = RoundEngine(
-        "oracle", config, InProcessTransport(), LocalSelector(config.selection.method), LocalPrivacy(), events.append
+        "oracle", config, InProcessTransport(), selector, LocalPrivacy(), events.append, clusterer=LocalClusterer()
     )
     summary = oracle.run()
     assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message

@@ -23,11 +23,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from aggregator_service.federation import MAX_AGENTS_PER_IDENTITY
+from aggregator_service.federation.state import MAX_AGENTS_PER_IDENTITY
 from aggregator_service.reliability import DEFAULT_MAX_WORKERS
+from fairfl.compose.launcher import Child, LocalCluster
 from fairfl.config import experiment_from_dict
-from fairfl.launcher import Child, LocalCluster
-from fairfl.rpc import open_channel, server_limits
+from fairfl.rpc_channel import open_channel
+from fairfl.rpc_guard import server_limits
 from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from tests.federation_support import metric, start_aggregator
@@ -204,7 +205,7 @@ RUN_CONFIG = experiment_from_dict(
         "seed": 5,
         "rounds": 4,
         "data": {"dataset": "synthetic", "num_clients": 4},
-        "model": {"name": "mlp", "hidden": [16]},
+        "model": {"name": "mlp", "params": {"hidden": [16]}},
         "training": {"local_steps": 2, "batch_size": 20, "lr": 0.1},
         "selection": {"method": "random", "clients_per_round": 3},
         "runtime": {"agents": 2, "round_timeout_s": 60, "register_timeout_s": 60, "device": "cpu"},

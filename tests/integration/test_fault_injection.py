@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from client_agent.faults import DropPlan
-from fairfl.cli import follow_run
+from fairfl.compose.cli import follow_run
+from fairfl.compose.launcher import Child, LocalCluster
+from fairfl.compose.results import RunRecorder
 from fairfl.config import ExperimentConfig, experiment_from_dict
-from fairfl.launcher import Child, LocalCluster
 from fairfl.privacy import RANDOMNESS_ENV
-from fairfl.results import RunRecorder
 from fairfl.v1 import control_pb2, control_pb2_grpc
 from tests.federation_support import metric, start_aggregator
 from tests.integration.test_grpc_equivalence import fetch_model, oracle
@@ -34,7 +34,7 @@ def _config(**sections: Any) -> ExperimentConfig:
         "name": "reliability",
         "seed": 3,
         "data": {"dataset": "synthetic", "num_clients": 8},
-        "model": {"name": "mlp", "hidden": [16]},
+        "model": {"name": "mlp", "params": {"hidden": [16]}},
         "training": {"local_steps": 2, "batch_size": 20, "lr": 0.1},
         "strategy": {"name": "fedavg"},
         "runtime": {"agents": 2, "round_timeout_s": 20, "register_timeout_s": 60},
@@ -46,7 +46,7 @@ def _config(**sections: Any) -> ExperimentConfig:
 
 class Watcher:
     """Follows a run's events on a thread, so the test can act when a round is reported. With `reconnect`, it
-    watches the way `fairfl run` does (fairfl.cli.follow_run: again after the aggregator restarts)."""
+    watches the way `fairfl run` does (fairfl.compose.cli.follow_run: again after the aggregator restarts)."""
 
     def __init__(self, control: control_pb2_grpc.RunControlStub, run_id: str, reconnect: bool = False) -> None:
         self.events: list[control_pb2.RunEvent] = []
@@ -281,7 +281,7 @@ def test_an_agent_killed_mid_round_gets_its_tasks_again_when_it_restarts(tmp_pat
     config = _config(
         rounds=2,
         training={"local_steps": 800, "batch_size": 32, "lr": 0.05},  # ~0.5 s a task: time to kill one mid-round
-        model={"name": "mlp", "hidden": [64]},
+        model={"name": "mlp", "params": {"hidden": [64]}},
         selection={"method": "full", "clients_per_round": 8},
         evaluation={"every": 1000},
         runtime={"round_timeout_s": 120},

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from aggregator_service.engine import initial_model
-from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
+from client_agent.trainer import ClientRuntime, resolve_device
 from fairfl.config import ExperimentConfig, experiment_from_dict
-from fairfl.data import FederatedData
+from fairfl.data import FederatedData, load_run_data
 from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
 
@@ -30,7 +30,7 @@ def setup() -> tuple[ExperimentConfig, FederatedData, torch.Tensor]:
     config = experiment_from_dict(
         {
             "data": {"dataset": "synthetic", "num_clients": 4},
-            "model": {"hidden": [32]},
+            "model": {"params": {"hidden": [32]}},
             "selection": {"clients_per_round": 2},
             "runtime": {"agents": 1},
         }

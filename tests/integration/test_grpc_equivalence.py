@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
 from fairfl import codec
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.launcher import LocalCluster
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalClusterer, LocalSelector
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.data.datasets import DatasetNotFoundError, load_dataset
-from fairfl.launcher import LocalCluster
 from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_grpc
 
 STRATEGY_PARAMS = {"fedavg": {}, "fedeba_plus": {"alpha": 0.9, "tau": 0.1}}
@@ -30,7 +31,7 @@ def _config(dataset: str, strategy: str = "fedavg", placement: str = "partitione
             "seed": 7,
             "rounds": 3,
             "data": {"dataset": dataset, "num_clients": num_clients, "partition": "shards", "shards_per_client": 2},
-            "model": {"name": "mlp", "hidden": [32, 16]},
+            "model": {"name": "mlp", "params": {"hidden": [32, 16]}},
             "training": {"local_steps": 5, "batch_size": 20, "lr": 0.05},
             "selection": {"clients_per_round": 4},
             "strategy": {"name": strategy, "params": STRATEGY_PARAMS[strategy]},
@@ -42,8 +43,9 @@ def _config(dataset: str, strategy: str = "fedavg", placement: str = "partitione
 
 def oracle(config: ExperimentConfig) -> tuple[torch.Tensor, list[control_pb2.RoundEvent]]:
     events: list[control_pb2.RunEvent] = []
+    selector = LocalSelector(config.selection.method)
     engine = RoundEngine(
-        "oracle", config, InProcessTransport(), LocalSelector(config.selection.method), LocalPrivacy(), events.append
+        "oracle", config, InProcessTransport(), selector, LocalPrivacy(), events.append, clusterer=LocalClusterer()
     )
     summary = engine.run()
     assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message

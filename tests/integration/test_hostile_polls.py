@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fairfl.launcher import Child, LocalCluster
-from fairfl.rpc import open_channel
+from fairfl.compose.launcher import Child, LocalCluster
+from fairfl.rpc_channel import open_channel
 from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc, tensor_pb2
 from tests.federation_support import call, metric, start_aggregator

@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fairfl import codec
+from fairfl.compose.launcher import Child, LocalCluster
 from fairfl.config import experiment_from_dict
-from fairfl.launcher import Child, LocalCluster
 from fairfl.params import ParamLayout
 from fairfl.protocol import TRAIN, UPDATE, ClientResult, encode_result
-from fairfl.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES, open_channel
+from fairfl.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from fairfl.rpc_channel import open_channel
 from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import common_pb2, control_pb2, control_pb2_grpc, federation_pb2, tensor_pb2
 from tests.federation_support import FakeAgent, metric, start_aggregator
@@ -47,7 +48,7 @@ CONFIG = experiment_from_dict(
         "seed": 11,
         "rounds": 1,
         "data": {"dataset": "synthetic", "num_clients": 2},
-        "model": {"name": "mlp", "hidden": [8]},
+        "model": {"name": "mlp", "params": {"hidden": [8]}},
         # loss_telemetry: FedAvg's tasks then owe their losses (a missing one is a malformed result).
         "training": {"local_steps": 2, "batch_size": 16, "lr": 0.05, "loss_telemetry": True},
         "selection": {"method": "random", "clients_per_round": 1},

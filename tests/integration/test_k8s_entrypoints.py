@@ -2,9 +2,10 @@
 local process with the command, arguments and environment its pod gets, and must come up the way its probes expect.
 
 What differs from the pod, and nothing else:
-- `fairfl ARGS` (the image's console script) runs as `python -m fairfl.cli ARGS`: pyproject.toml maps the script
-  `fairfl` to `fairfl.cli:main`, which `python -m fairfl.cli` calls too (checked below); the test venv need not have
-  the script installed. PYTHONPATH points at the checkout, which the image installs into its virtualenv instead.
+- `fairfl ARGS` (the image's console script) runs as `python -m fairfl.compose ARGS`: pyproject.toml maps the
+  script `fairfl` to `fairfl.compose.cli:main`, which `python -m fairfl.compose` calls too (checked below); the test
+  venv need not have the script installed. PYTHONPATH points at the checkout, which the image installs into its
+  virtualenv instead.
 - The image's ENV (the Dockerfile's runtime stage) is the base environment; PATH gets this interpreter's directory.
 - Listen addresses `0.0.0.0:<port>` become `127.0.0.1:<a free port>`, so that every process can start at once, and
   FAIRFL_METRICS_PORT becomes 0 (with FAIRFL_METRICS_HOST=127.0.0.1): each process announces the port it bound
@@ -37,7 +38,8 @@ from typing import Any
 import grpc
 import pytest
 
-from fairfl.rpc import TransportSecurity, open_channel, wait_for_serving
+from fairfl.rpc_channel import open_channel, wait_for_serving
+from fairfl.rpc_security import TransportSecurity
 from fairfl.v1 import privacy_pb2, privacy_pb2_grpc
 from tests.k8s_support import (
     COMPONENTS,
@@ -59,7 +61,7 @@ STARTUP_S = 60.0
 SUBMIT = ["run", "/etc/fairfl/experiment.yaml", "--aggregator", "127.0.0.1:50051"]  # docs/deploy.md's command
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 HOSTNAME_SHIM = (
-    "import socket, sys; socket.gethostname = lambda: {hostname!r}; from fairfl.cli import main; "
+    "import socket, sys; socket.gethostname = lambda: {hostname!r}; from fairfl.compose.cli import main; "
     "sys.exit(main(sys.argv[1:]))"
 )
 
@@ -126,7 +128,7 @@ def _cli_argv(container: dict[str, Any], hostname: str | None) -> list[str]:
     command = [*container["command"], *container.get("args", [])]
     assert command[0] == "fairfl", command
     if hostname is None:
-        return [sys.executable, "-m", "fairfl.cli", *command[1:]]
+        return [sys.executable, "-m", "fairfl.compose", *command[1:]]
     return [sys.executable, "-c", HOSTNAME_SHIM.format(hostname=hostname), *command[1:]]
 
 
@@ -134,7 +136,7 @@ def _make_certs(tmp: Path) -> Path:
     """The identities docs/deploy.md makes the Secrets from, by the documented command."""
     out = tmp / "certs"
     proc = subprocess.run(
-        [sys.executable, "-m", "fairfl.cli", "certs", str(out)],
+        [sys.executable, "-m", "fairfl.compose", "certs", str(out)],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
@@ -270,8 +272,9 @@ def _stop_all(pods: list[Pod], grace: float = 30.0) -> dict[str, int]:
 
 def test_console_script_is_what_python_m_runs() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"fairfl": "fairfl.cli:main"}
-    assert 'if __name__ == "__main__":\n    sys.exit(main())' in (REPO / "fairfl" / "cli.py").read_text()
+    assert scripts == {"fairfl": "fairfl.compose.cli:main"}
+    main_module = (REPO / "fairfl" / "compose" / "__main__.py").read_text()
+    assert "from fairfl.compose.cli import main\n" in main_module and "sys.exit(main())" in main_module
 
 
 def test_every_dev_workload_was_started(deployment: LocalDeployment) -> None:
@@ -334,7 +337,7 @@ def test_run_submitted_as_documented_completes(deployment: LocalDeployment) -> N
     args[3] = f"127.0.0.1:{aggregator.grpc_port}"
     output = deployment.tmp / "submitted"
     proc = subprocess.run(
-        [sys.executable, "-m", "fairfl.cli", *args, "--rounds", "1", "--output", str(output)],
+        [sys.executable, "-m", "fairfl.compose", *args, "--rounds", "1", "--output", str(output)],
         env=aggregator.env,
         cwd=aggregator.cwd,
         capture_output=True,

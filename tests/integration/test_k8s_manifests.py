@@ -313,10 +313,10 @@ def test_container_commands_are_real_cli_entrypoints(
 ) -> None:
     import tomllib
 
-    from fairfl import cli
+    from fairfl.compose import cli
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["fairfl"] == "fairfl.cli:main"
+    assert scripts["fairfl"] == "fairfl.compose.cli:main"
     _, docs = overlay
     for name, w in by_component(docs).items():
         c = w.container

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from fairfl.compose.launcher import LocalCluster
+from fairfl.compose.monitor import Prometheus, prometheus_binary
+from fairfl.compose.results import RunRecorder
 from fairfl.config import experiment_from_dict
-from fairfl.launcher import LocalCluster
-from fairfl.monitor import Prometheus, prometheus_binary
-from fairfl.results import RunRecorder
 from fairfl.telemetry import catalog_for
 from fairfl.v1 import control_pb2, control_pb2_grpc
 
@@ -41,8 +41,8 @@ CONFIG = experiment_from_dict(
         "seed": 3,
         "rounds": ROUNDS,
         # Homogeneous Synthetic(0, 0): after 3 rounds the clients' accuracies spread over 0..100%.
-        "data": {"dataset": "synthetic", "num_clients": 8, "synthetic_alpha": 0.0, "synthetic_beta": 0.0},
-        "model": {"name": "mlp", "hidden": [16]},
+        "data": {"dataset": "synthetic", "num_clients": 8, "params": {"alpha": 0.0, "beta": 0.0}},
+        "model": {"name": "mlp", "params": {"hidden": [16]}},
         "training": {"local_steps": 10, "batch_size": 10, "lr": 0.1},
         "selection": {"clients_per_round": 4},
         "evaluation": {"every": 1},

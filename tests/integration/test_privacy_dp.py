@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from aggregator_service.dp import round_events
-from aggregator_service.peers import LocalPrivacy
+from fairfl import accounting as accountant
+from fairfl.compose.launcher import LocalCluster
+from fairfl.compose.local_privacy import LocalPrivacy
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
-from fairfl.launcher import LocalCluster
 from fairfl.privacy import RANDOMNESS_ENV
-from fairfl.rpc import TransportSecurity, open_channel
+from fairfl.rpc_channel import open_channel
+from fairfl.rpc_security import TransportSecurity
 from fairfl.v1 import control_pb2, control_pb2_grpc, privacy_pb2, privacy_pb2_grpc
-from privacy_service import accountant
 
 ROUNDS = 8
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ def dp_config(rounds: int = ROUNDS, **privacy: Any) -> ExperimentConfig:
             "seed": 11,
             "rounds": rounds,
             "data": {"dataset": "synthetic", "num_clients": 6},
-            "model": {"name": "mlp", "hidden": [16]},
+            "model": {"name": "mlp", "params": {"hidden": [16]}},
             "training": {"local_steps": 2, "lr": 1.0, "batch_size": 20, "loss_eval_batches": 1},
             "strategy": {"name": "fedfair", "params": {"fair_lambda": 0.5}},
             "selection": {"method": "full", "clients_per_round": 6},
@@ -173,7 +174,7 @@ def test_dp_run_over_grpc_matches_inprocess(tmp_path: Path, monkeypatch: pytest.
 def test_cli_refuses_a_noise_multiplier_outside_the_sound_range(transport: str, sigma: str, tmp_path: Path) -> None:
     """The issue's reproduction: this run used to complete with epsilon_spent 0 (σ = 1e-156) or end in INTERNAL."""
     sets = [f"privacy.noise_multiplier={sigma}", f"privacy.loss_noise_multiplier={sigma}", "privacy.epsilon=1.0"]
-    command = [sys.executable, "-m", "fairfl.cli", "run", "experiments/quickstart.yaml", "--transport", transport]
+    command = [sys.executable, "-m", "fairfl.compose", "run", "experiments/quickstart.yaml", "--transport", transport]
     command += ["--rounds", "2", "--output", str(tmp_path / "run"), "--set", "privacy.enabled=true"]
     for s in sets:
         command += ["--set", s]
@@ -191,7 +192,7 @@ def test_cli_fails_a_run_the_ledger_cannot_resolve_with_its_reason(transport: st
     """σ and q inside the sound range whose rounds the accountant still rounds to ε = 0: the config loads, and the run
     fails before round 1 with the ledger's reason (in-process: naming the fields; over gRPC: the privacy service's
     words, not a gRPC error's repr), no traceback in the output or the services' logs."""
-    command = [sys.executable, "-m", "fairfl.cli", "run", "experiments/quickstart.yaml", "--transport", transport]
+    command = [sys.executable, "-m", "fairfl.compose", "run", "experiments/quickstart.yaml", "--transport", transport]
     command += ["--rounds", "2", "--output", str(tmp_path / "run"), "--set", "privacy.enabled=true"]
     for s in ("noise_multiplier=9000", "loss_noise_multiplier=9000", "sample_rate=0.001", "epsilon=1.0"):
         command += ["--set", f"privacy.{s}"]

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fairfl.rpc import open_channel, wait_for_serving
+from fairfl.accounting import EventSpec, epsilon
+from fairfl.rpc_channel import open_channel, wait_for_serving
 from fairfl.v1 import privacy_pb2 as pb
 from fairfl.v1 import privacy_pb2_grpc
-from privacy_service.accountant import EventSpec, epsilon
 
 pytestmark = pytest.mark.integration
 

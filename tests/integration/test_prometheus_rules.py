@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fairfl.monitor import write_config
+from fairfl.compose.monitor import write_config
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 PROMTOOL = shutil.which("promtool")

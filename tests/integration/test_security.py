@@ -1,7 +1,7 @@
 """Transport security and client identity with real processes (docs/security.md).
 
 An aggregator, a privacy and a clustering service run as OS processes speaking mutual TLS with certificates of one
-ephemeral CA (fairfl.launcher). The test plays two agents, A (clients 0-1) and B (clients 2-3), each with its own agent
+ephemeral CA (fairfl.compose). The test plays two agents, A (clients 0-1) and B (clients 2-3), each with its own agent
 certificate, and an operator with a service certificate. While round 1's training tasks are open it attacks: callers
 without a certificate, with one from another CA, or in plaintext; B acting for A's client or agent id, and guessing A's
 task id; agents calling the internal APIs; a service identity posing as an agent. Then A's correct result is accepted
@@ -23,13 +23,15 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
 from fairfl import codec
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.launcher import Child, LocalCluster
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import experiment_from_dict
-from fairfl.launcher import Child, LocalCluster
 from fairfl.protocol import EVALUATE, TRAIN
-from fairfl.rpc import CHANNEL_OPTIONS, TransportSecurity, open_channel
+from fairfl.rpc_channel import CHANNEL_OPTIONS, open_channel
+from fairfl.rpc_security import TransportSecurity
 from fairfl.tls import ROLE_AGENT, CertificateAuthority
 from fairfl.v1 import (
     clustering_pb2,
@@ -56,7 +58,7 @@ CONFIG = experiment_from_dict(
         "seed": 5,
         "rounds": 1,
         "data": {"dataset": "synthetic", "num_clients": 4},
-        "model": {"name": "mlp", "hidden": [8]},
+        "model": {"name": "mlp", "params": {"hidden": [8]}},
         "training": {"local_steps": 2, "batch_size": 16, "lr": 0.05},
         "selection": {"method": "random", "clients_per_round": 4},
         "evaluation": {"every": 1},

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fairfl.compose.launcher import LocalCluster
 from fairfl.config import ExperimentConfig, experiment_from_dict
-from fairfl.launcher import LocalCluster
 from fairfl.v1 import control_pb2, control_pb2_grpc
 from tests.integration.test_grpc_equivalence import oracle
 
@@ -23,7 +23,7 @@ def _config(method: str, rounds: int, params: dict[str, object]) -> ExperimentCo
             "seed": 11,
             "rounds": rounds,
             "data": {"dataset": "synthetic", "num_clients": NUM_CLIENTS},
-            "model": {"name": "mlp", "hidden": [16]},
+            "model": {"name": "mlp", "params": {"hidden": [16]}},
             "training": {"local_steps": 4, "batch_size": 16, "lr": 0.05},
             "selection": {"method": method, "clients_per_round": 4, "params": params},
             "evaluation": {"every": 100},

@@ -1,7 +1,7 @@
 """The transfer path over a real aggregator process (mutual TLS): FetchBlob byte ranges and their refusals, ranges
 fetched on concurrent streams, result digests in a trailer, and runs whose agents send float16 / bfloat16 updates.
 
-A model of ~17 MB (above codec.SEGMENT_BYTES) makes the real agent fetch it as ranges on concurrent streams.
+A model of ~17 MB (above fetch.SEGMENT_BYTES) makes the real agent fetch it as ranges on concurrent streams.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine, initial_model
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
-from fairfl import codec
+from fairfl import codec, fetch
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.launcher import Child, LocalCluster
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ExperimentConfig, experiment_from_dict
-from fairfl.launcher import Child, LocalCluster
 from fairfl.params import ParamLayout
 from fairfl.protocol import TRAIN, ClientResult, encode_result
-from fairfl.rpc import open_channel
+from fairfl.rpc_channel import open_channel
 from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import control_pb2, control_pb2_grpc, federation_pb2, tensor_pb2
 from tests.federation_support import REPO, FakeAgent, call, metric, start_aggregator
@@ -42,7 +43,7 @@ def _config(run: str, update_dtype: str = "float32") -> ExperimentConfig:
             "seed": 3,
             "rounds": 1,
             "data": {"dataset": "synthetic", "num_clients": 1},
-            "model": {"name": "mlp", "hidden": HIDDEN},
+            "model": {"name": "mlp", "params": {"hidden": HIDDEN}},
             "training": {"local_steps": 2, "batch_size": 16, "lr": 0.05},
             "selection": {"method": "full", "clients_per_round": 1},
             "runtime": {"agents": 1, "round_timeout_s": 120, "register_timeout_s": 60, "device": "cpu"},
@@ -97,7 +98,7 @@ def _fetch(open_task: Open, offset: int, length: int) -> tuple[grpc.StatusCode, 
 
 def test_fetch_blob_serves_byte_ranges(open_task: Open) -> None:
     total = open_task.task.model.total_bytes
-    assert total == open_task.layout.nbytes > codec.SEGMENT_BYTES
+    assert total == open_task.layout.nbytes > fetch.SEGMENT_BYTES
     code, _, whole = _fetch(open_task, 0, 0)
     assert code == Code.OK and hashlib.sha256(whole).hexdigest() == open_task.task.model.sha256
     for offset, length in [(0, 1), (5, 3_000_001), (total - 7, 7), (total - 7, 0), (12_345_678, 0)]:
@@ -135,7 +136,7 @@ def test_concurrent_range_streams_fetch_the_model(open_task: Open) -> None:
         request = tensor_pb2.BlobRef(sha256=ref.sha256, total_bytes=ref.total_bytes, offset=offset, length=length)
         return open_task.agent.stub.FetchBlob(request, timeout=30)
 
-    _, buffer = codec.fetch_ranges(
+    _, buffer = fetch.fetch_ranges(
         open_range,
         ref.total_bytes,
         ref.sha256,
@@ -185,7 +186,8 @@ def final_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Te
     with pytest.MonkeyPatch.context() as mp, LocalCluster(work / "logs") as cluster:
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
         mp.chdir(REPO)
-        aggregator = cluster.start_service("aggregator", "aggregator_service", [])
+        clustering = cluster.start_service("clustering", "clustering_service", [])  # the aggregator selects through it
+        aggregator = cluster.start_service("aggregator", "aggregator_service", ["--clustering", clustering.address])
         cluster.start_agents(aggregator.address, 1, 1, "cpu", 1)
         with cluster.open_channel(aggregator.address) as channel:
             control = control_pb2_grpc.RunControlStub(channel)
@@ -205,7 +207,7 @@ def final_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Te
         agent_log = (work / "logs" / "agent-0.log").read_text()
         assert "Traceback" not in agent_log, agent_log[-2000:]
         # Each run's model and the trained one (evaluated) came as byte ranges on concurrent streams.
-        segments = len(codec.plan_segments(initial_model(_config("x"))[0].nbytes))
+        segments = len(fetch.plan_segments(initial_model(_config("x"))[0].nbytes))
         fetches = metric(aggregator, "fairfl_grpc_server_handled_total", method="FetchBlob", code="OK")
         assert segments == 2 and fetches == 3 * 2 * segments
     return models

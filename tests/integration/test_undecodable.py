@@ -5,7 +5,7 @@ Bytes that are no message of the method, sent to every method of every service (
 refused with INVALID_ARGUMENT naming the method, never gRPC's INTERNAL, and counted under `malformed`. A 5 MiB message
 is RESOURCE_EXHAUSTED and counted under `size`; one over gRPC core's own 8 MiB limit is RESOURCE_EXHAUSTED too, refused
 before any handler (not counted). Handlers' own refusals (an unknown run, blob or ledger entry: NOT_FOUND) are counted
-once each: under their reason when they went through rpc.refuse, else under their status code.
+once each: under their reason when they went through refuse(), else under their status code.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from fairfl.launcher import Child, LocalCluster
-from fairfl.rpc import CORE_MESSAGE_BYTES, MAX_MESSAGE_BYTES, open_channel
+from fairfl.compose.launcher import Child, LocalCluster
+from fairfl.rpc import CORE_MESSAGE_BYTES, MAX_MESSAGE_BYTES
+from fairfl.rpc_channel import open_channel
 from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import (
     clustering_pb2,

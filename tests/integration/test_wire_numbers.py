@@ -29,9 +29,9 @@ from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fairfl.compose.launcher import Child, LocalCluster
 from fairfl.config import experiment_from_dict
-from fairfl.launcher import Child, LocalCluster
-from fairfl.rpc import open_channel
+from fairfl.rpc_channel import open_channel
 from fairfl.tls import ROLE_AGENT
 from fairfl.v1 import clustering_pb2, control_pb2, federation_pb2, federation_pb2_grpc, privacy_pb2, privacy_pb2_grpc
 from tests.federation_support import metric, start_aggregator, start_service
@@ -58,7 +58,7 @@ SMALL_CONFIG = {
     "seed": 3,
     "rounds": 2,
     "data": {"dataset": "synthetic", "num_clients": 2},
-    "model": {"name": "mlp", "hidden": [8]},
+    "model": {"name": "mlp", "params": {"hidden": [8]}},
     "training": {"local_steps": 2, "batch_size": 16, "lr": 0.05},
     "selection": {"method": "random", "clients_per_round": 1},
     "runtime": {"agents": 1, "round_timeout_s": 5, "register_timeout_s": 2, "device": "cpu"},
@@ -153,7 +153,9 @@ def hostile_message(data: st.DataObject, descriptor: Descriptor, depth: int = 0)
         nested = fd.type == FieldDescriptor.TYPE_MESSAGE
         if nested and depth >= 3:
             continue
-        if fd.is_repeated:
+        if fd.is_repeated and nested and fd.message_type.GetOptions().map_entry:  # e.g. a Struct's fields
+            _fill_map(data, getattr(message, fd.name), fd.message_type, depth)
+        elif fd.is_repeated:
             for _ in range(data.draw(st.integers(0, 3))):
                 container = getattr(message, fd.name)
                 if nested:
@@ -165,6 +167,18 @@ def hostile_message(data: st.DataObject, descriptor: Descriptor, depth: int = 0)
         else:
             _assign(lambda v, m=message, name=fd.name: setattr(m, name, v), _scalar(data, fd))
     return message
+
+
+def _fill_map(data: st.DataObject, container: Any, entry: Descriptor, depth: int) -> None:
+    """Up to 3 entries of a map field with hostile keys and values (message values nested like any other)."""
+    key_fd, value_fd = entry.fields_by_name["key"], entry.fields_by_name["value"]
+    for _ in range(data.draw(st.integers(0, 3))):
+        key = _scalar(data, key_fd)
+        with contextlib.suppress(ValueError, TypeError, OverflowError):
+            if value_fd.type == FieldDescriptor.TYPE_MESSAGE:
+                container[key].CopyFrom(hostile_message(data, value_fd.message_type, depth + 1))
+            else:
+                container[key] = _scalar(data, value_fd)
 
 
 def _assign(put: object, value: object) -> None:
@@ -223,9 +237,18 @@ def _plausible(fd: FieldDescriptor) -> object:
     return 1
 
 
+def _is_map(fd: FieldDescriptor) -> bool:
+    return fd.type == FieldDescriptor.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry
+
+
 def _fields(descriptor: Descriptor) -> list[FieldDescriptor]:
-    """The fields a plausible message sets: every field but the later members of a oneof."""
-    return [f for f in descriptor.fields if f.containing_oneof is None or f is f.containing_oneof.fields[0]]
+    """The fields a plausible message sets: every field but the later members of a oneof, and no map (a plug-in's
+    Struct parameters: their hostile numbers come from the property test's `_fill_map`)."""
+    return [
+        f
+        for f in descriptor.fields
+        if (f.containing_oneof is None or f is f.containing_oneof.fields[0]) and not _is_map(f)
+    ]
 
 
 def plausible_message(descriptor: Descriptor, depth: int = 0) -> Any:

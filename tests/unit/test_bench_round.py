@@ -20,7 +20,7 @@ SMALL = {
     "seed": 3,
     "rounds": 4,
     "data": {"dataset": "synthetic", "num_clients": 12},
-    "model": {"name": "mlp", "hidden": [16]},
+    "model": {"name": "mlp", "params": {"hidden": [16]}},
     "training": {"local_steps": 5, "batch_size": 8, "lr": 0.05, "lr_decay": 0.9},
     "strategy": {"name": "fedavg"},
     "selection": {"method": "random", "clients_per_round": 4},

@@ -5,17 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clustering_service.errors import InvalidInput
 from clustering_service.samplers import (
+    ClusteredSampler,
+    DivflSampler,
+    FullSampler,
+    HicsSampler,
+    PowerOfChoiceSampler,
+    RandomSampler,
     SelectionInput,
-    SelectionMethod,
     SelectionOutput,
     get_sampler,
-    implemented_methods,
-    parse_method,
     select,
 )
-from clustering_service.state import RunState
+from fairfl.sampling import SAMPLERS, InvalidInput, RunState
 
 CANDIDATES = list(range(100, 150))
 
@@ -71,20 +73,29 @@ def test_random_is_uniform_ish_over_many_rounds() -> None:
 
 
 def test_full_returns_every_candidate_sorted() -> None:
-    out = select(SelectionMethod.FULL, SelectionInput("run", 0, 1, np.asarray([5, 1, 3])), RunState("run"))
+    out = select("full", SelectionInput("run", 0, 1, np.asarray([5, 1, 3])), RunState("run"))
     assert out.selected == (1, 3, 5)
 
 
-def test_registry_knows_every_method_and_the_config_names() -> None:
-    assert implemented_methods() == [m for m in SelectionMethod if m is not SelectionMethod.UNSPECIFIED]
-    assert parse_method("random") is SelectionMethod.RANDOM
-    assert parse_method("SELECTION_METHOD_FULL") is SelectionMethod.FULL
-    assert parse_method(4) is SelectionMethod.HICS
-    assert parse_method("clustered") is parse_method("clustered_sampling") is SelectionMethod.CLUSTERED_SAMPLING
-    for method in ("hics", "power_of_choice", "clustered_sampling", "divfl"):
-        assert get_sampler(method).method is parse_method(method)
-    for bad in (0, 99, "nope"):
-        with pytest.raises(InvalidInput):
+def test_builtins_are_entry_points_with_declared_capabilities() -> None:
+    builtins = {
+        "random": RandomSampler,
+        "full": FullSampler,
+        "hics": HicsSampler,
+        "power_of_choice": PowerOfChoiceSampler,
+        "clustered_sampling": ClusteredSampler,
+        "clustered": ClusteredSampler,  # Fraboni et al.'s Alg. 2 under both names
+        "divfl": DivflSampler,
+    }
+    assert set(builtins) <= set(SAMPLERS.names())
+    for name, cls in builtins.items():
+        assert SAMPLERS.load(name, "selection.method") is cls
+        assert isinstance(get_sampler(name), cls)
+    assert {n for n, c in builtins.items() if c.uniform} == {"random", "full"}
+    assert HicsSampler.client_signatures == {"bias_update"} and PowerOfChoiceSampler.needs_losses
+    assert ClusteredSampler.needs_similarity and DivflSampler.needs_similarity
+    for bad in ("nope", "SELECTION_METHOD_FULL", "fairfl.config:ExperimentConfig"):
+        with pytest.raises(InvalidInput, match="sampler"):
             get_sampler(bad)
 
 

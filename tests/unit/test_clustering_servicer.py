@@ -7,6 +7,7 @@ import math
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.struct_pb2 import Struct
 
 from clustering_service.samplers import RandomSampler, SelectionInput
 from clustering_service.servicer import ClusteringServicer
@@ -114,7 +115,7 @@ def _select(**kw: object) -> pb.SelectRequest:
         "round": 4,
         "num_to_select": 3,
         "candidates": [8, 2, 6, 4, 0],
-        "method": pb.SELECTION_METHOD_RANDOM,
+        "sampler": "random",
         "seed": 17,
     }
     fields.update(kw)
@@ -130,7 +131,7 @@ def test_select_random_matches_in_process_sampler(servicer: ClusteringServicer) 
 
 
 def test_select_full(servicer: ClusteringServicer) -> None:
-    reply = _call(servicer.Select, _select(method=pb.SELECTION_METHOD_FULL))
+    reply = _call(servicer.Select, _select(sampler="full"))
     assert list(reply.selected) == [0, 2, 4, 6, 8]
 
 
@@ -140,7 +141,7 @@ def test_select_full(servicer: ClusteringServicer) -> None:
         ({"num_to_select": 0}, "num_to_select"),
         ({"num_to_select": 6}, "num_to_select"),
         ({"candidates": [1, 2, 2]}, "unique"),
-        ({"method": pb.SELECTION_METHOD_UNSPECIFIED}, "unspecified"),
+        ({"sampler": ""}, "sampler: required"),
         ({"run_id": ""}, "run_id"),
         ({"candidate_losses": [0.1, 0.2]}, "candidate_losses"),
         ({"similarity": tensor_to_proto("s", np.eye(3))}, "similarity"),
@@ -152,23 +153,54 @@ def test_select_invalid_argument(servicer: ClusteringServicer, overrides: dict[s
 
 
 @pytest.mark.parametrize(
-    ("method", "params", "match"),
+    ("sampler", "params", "match"),
     [
-        (pb.SELECTION_METHOD_HICS, {}, "total_rounds is required"),
-        (pb.SELECTION_METHOD_HICS, {"total_rounds": 10, "temperature": 0.0}, "params.temperature: must be > 0"),
-        (pb.SELECTION_METHOD_HICS, {"total_rounds": 10, "candidates": 3}, "params.candidates does not apply to HICS"),
-        (pb.SELECTION_METHOD_POWER_OF_CHOICE, {"candidates": 2}, "must be >= num_to_select"),
-        (pb.SELECTION_METHOD_POWER_OF_CHOICE, {"gamma0": 1.0}, "gamma0 does not apply to POWER_OF_CHOICE"),
-        (pb.SELECTION_METHOD_CLUSTERED_SAMPLING, {}, "CLUSTERED_SAMPLING needs similarity"),
-        (pb.SELECTION_METHOD_DIVFL, {"warmup_rounds": 0}, "DIVFL needs similarity"),
-        (pb.SELECTION_METHOD_RANDOM, {"lambda_entropy": 1.0}, "its parameters: none"),
+        ("hics", {}, "total_rounds is required"),
+        ("hics", {"total_rounds": 10, "temperature": 0.0}, "sampler_params.temperature: must be > 0"),
+        ("hics", {"total_rounds": 10, "candidates": 3}, "sampler_params: unknown parameter 'candidates'"),
+        ("hics", {"total_rounds": 2.5}, "sampler_params.total_rounds: expected an integer"),
+        ("power_of_choice", {"candidates": 2}, "must be >= num_to_select"),
+        ("power_of_choice", {"gamma0": 1.0}, "valid parameters: candidates"),
+        ("clustered_sampling", {}, "clustered_sampling needs similarity"),
+        ("divfl", {"warmup_rounds": 0}, "divfl needs similarity"),
+        ("random", {"lambda_entropy": 1.0}, "valid parameters: none"),
+        ("no_such_sampler", {}, "sampler: unknown sampler 'no_such_sampler'"),
+        ("no.such.module:Sampler", {}, "sampler: cannot import module 'no.such.module'"),
+        ("fairfl.config:ExperimentConfig", {}, "sampler: 'fairfl.config:ExperimentConfig' is not a sampler"),
     ],
 )
-def test_select_bad_params_are_invalid_argument(
+def test_select_bad_sampler_or_params_are_invalid_argument(
+    servicer: ClusteringServicer, sampler: str, params: dict[str, object], match: str
+) -> None:
+    struct = Struct()
+    struct.update(params)
+    code, details = _abort_of(servicer.Select, _select(sampler=sampler, sampler_params=struct))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and match in details, details
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "match"),
+    [
+        (pb.SELECTION_METHOD_HICS, {"total_rounds": 10, "candidates": 3}, "params: unknown parameter 'candidates'"),
+        (pb.SELECTION_METHOD_UNSPECIFIED, {}, "sampler: required"),
+        (99, {}, "method: unknown selection method 99"),
+    ],
+)
+def test_an_old_clients_method_enum_still_names_a_builtin(
     servicer: ClusteringServicer, method: int, params: dict[str, object], match: str
 ) -> None:
-    code, details = _abort_of(servicer.Select, _select(method=method, params=pb.SelectionParams(**params)))
+    old = {"sampler": "", "method": pb.SELECTION_METHOD_HICS, "params": pb.SelectionParams(total_rounds=9)}
+    reply = _call(servicer.Select, _select(**old))
+    want = _call(servicer.Select, _select(sampler="hics", sampler_params=_struct(total_rounds=9)))
+    assert reply.selected == want.selected and len(reply.selected) == 3
+    code, details = _abort_of(servicer.Select, _select(sampler="", method=method, params=pb.SelectionParams(**params)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and match in details, details
+
+
+def _struct(**values: object) -> Struct:
+    out = Struct()
+    out.update(values)
+    return out
 
 
 # --- Cluster ---------------------------------------------------------------------------------------------------------

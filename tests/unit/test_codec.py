@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fairfl import codec
-from fairfl.rpc import CHUNK_BYTES
+from fairfl import codec, framing
+from fairfl.framing import CHUNK_BYTES
 from fairfl.v1 import tensor_pb2
 
 GRPC_DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
@@ -332,7 +332,7 @@ def test_tensor_larger_than_64_mib_streams_in_grpc_sized_chunks() -> None:
 def test_iter_byte_chunks_cuts_exact_pieces_across_buffers(sizes: list[int], chunk_bytes: int) -> None:
     rng = random.Random(sum(sizes) * 31 + chunk_bytes)
     raw = [bytes(rng.getrandbits(8) for _ in range(n)) for n in sizes]
-    pieces = list(codec.iter_byte_chunks([memoryview(r) for r in raw], chunk_bytes))
+    pieces = list(framing.iter_byte_chunks([memoryview(r) for r in raw], chunk_bytes))
     joined = b"".join(raw)
     assert b"".join(pieces) == joined
     assert all(isinstance(p, bytes) for p in pieces)
@@ -348,7 +348,7 @@ def test_iter_byte_chunks_random_layouts() -> None:
         sizes = [rng.choice([0, 1, 2, 3, 7, 16, 31, 64]) for _ in range(rng.randint(0, 8))]
         chunk_bytes = rng.randint(1, 40)
         raw = [rng.randbytes(n) for n in sizes]
-        pieces = list(codec.iter_byte_chunks([memoryview(r) for r in raw], chunk_bytes))
+        pieces = list(framing.iter_byte_chunks([memoryview(r) for r in raw], chunk_bytes))
         joined = b"".join(raw)
         assert b"".join(pieces) == joined
         assert all(len(p) == chunk_bytes for p in pieces[:-1])
@@ -358,7 +358,7 @@ def test_iter_byte_chunks_random_layouts() -> None:
 
 def test_iter_byte_chunks_default_size_is_chunk_bytes() -> None:
     buffers = [memoryview(bytes(CHUNK_BYTES - 1)), memoryview(bytes(3)), memoryview(bytes(CHUNK_BYTES))]
-    pieces = list(codec.iter_byte_chunks(buffers))
+    pieces = list(framing.iter_byte_chunks(buffers))
     assert [len(p) for p in pieces] == [CHUNK_BYTES, CHUNK_BYTES, 2]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fairfl.compare import (
+from fairfl.compose.compare import (
     ComparisonResult,
     ComparisonSpec,
     PaperValue,
@@ -27,8 +27,8 @@ from fairfl.compare import (
     summarize,
     write_report,
 )
+from fairfl.compose.results import FAIRNESS_COLUMNS
 from fairfl.config import ConfigError
-from fairfl.results import FAIRNESS_COLUMNS
 
 BASE = {
     "name": "tiny",

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fairfl.compare import (
+from fairfl.compose.compare import (
     ComparisonResult,
     ComparisonSpec,
     RunSpec,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fairfl.compare import (
+from fairfl.compose.compare import (
     ComparisonResult,
     ComparisonSpec,
     RunSpec,
@@ -21,8 +21,8 @@ from fairfl.compare import (
     rounds_to_target,
     summarize,
 )
+from fairfl.compose.results import clustering_summary
 from fairfl.config import ConfigError
-from fairfl.results import clustering_summary
 from fairfl.v1 import common_pb2, control_pb2
 
 BASE = {

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from aggregator_service import strategies
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy
+from fairfl import strategy as strategies
 from fairfl.config import (
     ConfigError,
     ExperimentConfig,
@@ -23,6 +22,7 @@ from fairfl.config import (
     load_experiment,
 )
 from fairfl.protocol import ClientResult
+from fairfl.strategy import AggregateOutcome, RoundContext, Strategy
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"
@@ -47,7 +47,7 @@ def test_quickstart_preset_loads() -> None:
     assert cfg.data.partition == "shards"
     assert cfg.data.shards_per_client == 2
     assert cfg.model.name == "mlp"
-    assert cfg.model.hidden == [200, 200]
+    assert cfg.model.params == {"hidden": [200, 200]}
     assert (cfg.training.local_steps, cfg.training.local_epochs) == (10, None)
     assert cfg.training.batch_size == 50
     assert cfg.training.lr == 0.1
@@ -117,8 +117,10 @@ def test_unknown_key_in_every_section(section: str) -> None:
         ({"data": {"download": "yes"}}, "data.download", "expected true or false"),
         ({"data": {"download": 1}}, "data.download", "expected true or false"),
         ({"name": 5}, "name", "expected a string"),
-        ({"model": {"hidden": 200}}, "model.hidden", "expected a list"),
-        ({"model": {"hidden": [200, "x"]}}, "model.hidden[1]", "expected an integer"),
+        ({"model": {"params": {"hidden": 200}}}, "model.params.hidden", "expected a list"),
+        ({"model": {"params": {"hidden": [200, "x"]}}}, "model.params.hidden[1]", "expected an integer"),
+        ({"model": {"params": [1]}}, "model.params", "expected a mapping"),
+        ({"data": {"dataset": "synthetic", "params": {"alpha": "x"}}}, "data.params.alpha", "expected a number"),
         ({"strategy": {"params": [1, 2]}}, "strategy.params", "expected a mapping"),
         ({"strategy": {"params": {"server_momentum": "x"}}}, "strategy.params.server_momentum", "expected a number"),
         ({"training": 5}, "training", "expected a mapping"),
@@ -176,7 +178,8 @@ def test_integers_are_accepted_for_float_fields() -> None:
         ({"data": {"num_clients": 0}}, "data.num_clients"),
         ({"data": {"alpha": 0}}, "data.alpha"),
         ({"data": {"test_per_client": 0}}, "data.test_per_client"),
-        ({"model": {"hidden": [200, 0]}}, "model.hidden[1]"),
+        ({"model": {"params": {"hidden": [200, 0]}}}, "model.params.hidden[1]"),
+        ({"data": {"dataset": "synthetic", "params": {"alpha": -1.0}}}, "data.params.alpha"),
         ({"selection": {"clients_per_round": 0}}, "selection.clients_per_round"),
         ({"evaluation": {"every": 0}}, "evaluation.every"),
         ({"strategy": {"server_lr": 0}}, "strategy.server_lr"),
@@ -243,10 +246,10 @@ def test_agents_cannot_exceed_num_clients() -> None:
     ("data", "path", "valid"),
     [
         ({"data": {"partition": "shard"}}, "data.partition", ["'iid'", "'shards'", "'dirichlet'"]),
-        ({"data": {"dataset": "imagenet"}}, "data.dataset", ["'fashion_mnist'", "'cifar10'"]),
-        ({"model": {"name": "resnet"}}, "model.name", ["'mlp'", "'cnn'", "'logreg'"]),
+        ({"data": {"dataset": "imagenet"}}, "data.dataset", ["fashion_mnist", "cifar10", "synthetic"]),
+        ({"model": {"name": "resnet"}}, "model.name", ["mlp", "cnn", "logreg"]),
         ({"training": {"optimizer": "rmsprop"}}, "training.optimizer", ["'sgd'", "'adam'"]),
-        ({"selection": {"method": "pow-d"}}, "selection.method", ["'random'", "'full'"]),
+        ({"selection": {"method": "pow-d"}}, "selection.method", ["random", "full", "hics"]),
     ],
 )
 def test_invalid_choice_lists_the_valid_ones(data: dict[str, Any], path: str, valid: list[str]) -> None:
@@ -263,7 +266,7 @@ def test_unknown_strategy_lists_available_ones() -> None:
     message = error_of({"strategy": {"name": "fedx"}})
     assert message.startswith("strategy.name:")
     assert "'fedx'" in message
-    for name in strategies.STRATEGIES:
+    for name in strategies.STRATEGIES.names():
         assert name in message
 
 
@@ -297,21 +300,24 @@ class _CountStrategy(Strategy):
         raise NotImplementedError
 
 
-def test_integer_strategy_params_stay_integers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_integer_strategy_params_stay_integers() -> None:
     # Fails today: StrategyConfig.params is dict[str, float | int | str | bool] and _coerce tries the union's options
     # in order, so an integer from YAML matches `float` first and becomes 3.0; params_from_dict only converts for
     # float defaults, so an int-typed strategy parameter reaches the strategy as a float.
-    monkeypatch.setitem(strategies.STRATEGIES, _CountStrategy.name, _CountStrategy)
-    cfg = experiment_from_yaml(
-        "strategy:\n  name: count_probe\n  params: {clusters: 3, temperature: 2, mode: b, enabled: true}\n"
-    )
-    assert cfg.strategy.params["mode"] == "b"
-    assert cfg.strategy.params["enabled"] is True
-    assert cfg.strategy.params["temperature"] == 2
-    assert type(cfg.strategy.params["clusters"]) is int
-    params = strategies.validate_strategy(cfg.strategy.name, cfg.strategy.params, "strategy")
-    assert type(params.clusters) is int
-    assert type(params.temperature) is float
+    strategies.register_strategy(_CountStrategy.name, _CountStrategy)
+    try:
+        cfg = experiment_from_yaml(
+            "strategy:\n  name: count_probe\n  params: {clusters: 3, temperature: 2, mode: b, enabled: true}\n"
+        )
+        assert cfg.strategy.params["mode"] == "b"
+        assert cfg.strategy.params["enabled"] is True
+        assert cfg.strategy.params["temperature"] == 2
+        assert type(cfg.strategy.params["clusters"]) is int
+        params = strategies.validate_strategy(cfg.strategy.name, cfg.strategy.params, "strategy")
+        assert type(params.clusters) is int
+        assert type(params.temperature) is float
+    finally:
+        strategies.STRATEGIES.unregister(_CountStrategy.name)
 
 
 # --- YAML and overrides ---------------------------------------------------------------------------------------------
@@ -396,7 +402,7 @@ def test_to_yaml_roundtrip_of_non_default_values(tmp_path: Path) -> None:
                 "alpha": 0.1,
                 "test_per_client": 20,
             },
-            "model": {"name": "cnn", "hidden": []},
+            "model": {"name": "cnn", "params": {"channels": [4, 8], "hidden": 16}},
             "training": {"local_steps": None, "local_epochs": 2, "optimizer": "adam", "prox_mu": 0.01},
             "strategy": {"params": {"server_momentum": 0.9}, "server_lr": 0.5},
             "selection": {"method": "full", "clients_per_round": 8},

@@ -419,11 +419,11 @@ def test_synthetic_leaf_validates() -> None:
 
 
 def test_build_federated_synthetic() -> None:
-    fd = build_federated("synthetic", 5, "iid", seed=3, synthetic_alpha=0.5, synthetic_beta=0.5)
+    fd = build_federated("synthetic", 5, "iid", seed=3, params={"alpha": 0.5, "beta": 0.5})
     assert isinstance(fd, FederatedData)
     assert fd.num_clients == 5 and fd.num_classes == 10 and fd.input_shape == (60,)
     assert fd.client_label_counts(2).sum() == len(fd.train_indices[2])
-    again = build_federated("synthetic", 5, "shards", seed=3, synthetic_alpha=0.5, synthetic_beta=0.5)
+    again = build_federated("synthetic", 5, "shards", seed=3, params={"alpha": 0.5, "beta": 0.5})
     np.testing.assert_array_equal(fd.train.x, again.train.x)
 
 

@@ -15,14 +15,16 @@ from scipy import stats
 
 from aggregator_service.dp import DpController, affordable_rounds, effective_noise_multiplier, round_events, run_budget
 from aggregator_service.engine import RoundEngine
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector, RemotePrivacy
-from aggregator_service.strategies import RoundContext
-from fairfl.compare import load_comparison
+from aggregator_service.peers import RemotePrivacy
+from fairfl import accounting as accountant
+from fairfl.compose.compare import load_comparison
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ConfigError, experiment_from_dict, load_experiment
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.strategy import RoundContext
 from fairfl.v1 import control_pb2, federation_pb2
-from privacy_service import accountant
 from privacy_service.ledger import Event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +36,7 @@ def dp_config(**over: Any) -> dict[str, Any]:
         "seed": 3,
         "rounds": 3,
         "data": {"dataset": "synthetic", "num_clients": 4},
-        "model": {"name": "mlp", "hidden": [16]},
+        "model": {"name": "mlp", "params": {"hidden": [16]}},
         "training": {"local_steps": 1, "lr": 1.0, "batch_size": 20, "loss_eval_batches": 1},
         "strategy": {"name": "fedfair"},
         "selection": {"method": "full", "clients_per_round": 4},
@@ -82,7 +84,10 @@ def run_inprocess(config: Any) -> tuple[Any, list[control_pb2.RoundEvent], Local
         ({"strategy.name": "fedeba_plus"}, "strategy.name: 'fedeba_plus' has no DP procedure"),
         ({"privacy.loss_noise_multiplier": 0.0}, "privacy.loss_noise_multiplier: strategy fedfair uses"),
         ({"training.local_epochs": 1, "training.local_steps": None}, "training.local_epochs: DP-SGD counts"),
-        ({"privacy.principal": "federation"}, "strategy.name: privacy.principal federation (DP-FedAvg) needs fedavg"),
+        (
+            {"privacy.principal": "federation"},
+            "strategy.name: 'fedfair' has no DP procedure for privacy.principal federation (client-level DP-FedAvg)",
+        ),
     ],
 )
 def test_privacy_config_errors_name_the_field(over: dict[str, Any], message: str) -> None:
@@ -191,9 +196,9 @@ def test_remote_privacy_enforces_and_replays(tmp_path: Path) -> None:
 
 def test_remote_privacy_retries_a_busy_refusal_and_never_takes_it_for_a_spent_budget(tmp_path: Path) -> None:
     """The privacy service's access guard answers RESOURCE_EXHAUSTED when a caller is over its rate or share, as the
-    ledger does for a spent budget; the reason it names (fairfl.rpc.REFUSAL_KEY) tells them apart: the gate retries
-    a busy refusal and the round is recorded, where a spent budget would stop the run."""
-    from fairfl.rpc import AccessPolicy
+    ledger does for a spent budget; the reason it names (fairfl.rpc_refusals.REFUSAL_KEY) tells them apart: the gate
+    retries a busy refusal and the round is recorded, where a spent budget would stop the run."""
+    from fairfl.rpc_guard import AccessPolicy
     from privacy_service.server import serve
 
     authorize = "/fairfl.v1.Privacy/AuthorizeRound"
@@ -328,17 +333,21 @@ def test_presets_and_comparisons_load() -> None:
 
 
 def test_cnn_width_fields() -> None:
-    from client_agent.trainer import build_global_model
+    from fairfl.data import DataSignature
+    from fairfl.models import build_run_model
 
-    small = experiment_from_dict(dp_config(**{"model": {"name": "cnn", "cnn_channels": [16, 32], "cnn_hidden": 128}}))
-    model = build_global_model(small, (1, 28, 28), 10)
+    fmnist = DataSignature((1, 28, 28), 10)
+    small = experiment_from_dict(
+        dp_config(**{"model": {"name": "cnn", "params": {"channels": [16, 32], "hidden": 128}}})
+    )
+    model = build_run_model(small, fmnist)
     assert sum(p.numel() for p in model.parameters()) == 80202
-    paper = build_global_model(experiment_from_dict(dp_config(**{"model": {"name": "cnn"}})), (1, 28, 28), 10)
+    paper = build_run_model(experiment_from_dict(dp_config(**{"model": {"name": "cnn"}})), fmnist)
     assert sum(p.numel() for p in paper.parameters()) == 582026  # FedAvgCNN (seed-fedfdp §4)
-    with pytest.raises(ConfigError, match=r"model.cnn_channels: expected 2 conv widths"):
-        experiment_from_dict(dp_config(**{"model": {"name": "cnn", "cnn_channels": [8]}}))
-    with pytest.raises(ConfigError, match=r"model.cnn_hidden: must be >= 1"):
-        experiment_from_dict(dp_config(**{"model": {"name": "cnn", "cnn_hidden": 0}}))
+    with pytest.raises(ConfigError, match=r"model.params.channels: expected 2 conv widths"):
+        experiment_from_dict(dp_config(**{"model": {"name": "cnn", "params": {"channels": [8]}}}))
+    with pytest.raises(ConfigError, match=r"model.params.hidden: must be >= 1"):
+        experiment_from_dict(dp_config(**{"model": {"name": "cnn", "params": {"hidden": 0}}}))
 
 
 def test_fedfdp_global_loss_is_the_weighted_noisy_loss() -> None:

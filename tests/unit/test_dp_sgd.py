@@ -198,7 +198,7 @@ def synthetic_runtime(model: str = "mlp", randomness: str = "task", policy: DpPo
     config = experiment_from_dict(
         {
             "data": {"dataset": "synthetic", "num_clients": 1},
-            "model": {"name": model, "hidden": [128]},
+            "model": {"name": model, "params": {"hidden": [128]} if model == "mlp" else {}},
             "selection": {"clients_per_round": 1},
             "runtime": {"agents": 1},
         }
@@ -385,7 +385,7 @@ def test_a_cohosting_agent_with_os_randomness_refuses_dp_tasks(caplog: pytest.Lo
     before = flatten_parameters(runtime.model).clone()
     with caplog.at_level("ERROR"):
         agent._handle(dp_task(noise_multiplier=2.0))
-    assert "co-hosts its clients" in caplog.text and not agent._in_flight
+    assert "co-hosts its clients" in caplog.text and not agent.uploads._in_flight
     assert torch.equal(flatten_parameters(runtime.model), before)
     agent.channel.close()
     seeded = Agent("127.0.0.1:1", [0], device="cpu", shared=True, dp_randomness="task")

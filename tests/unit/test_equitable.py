@@ -12,16 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aggregator_service.clustering_peer import ClusteringFailed, LocalClusterer
-from aggregator_service.strategies import build_strategy
-from aggregator_service.strategies.base import RoundContext, Strategy
+from aggregator_service.clustering_peer import ClusteringFailed
 from aggregator_service.strategies.cluster2 import draw_weights
 from aggregator_service.strategies.equitable import cluster_seed
 from aggregator_service.strategies.fairfed import FairFed, fairfed_update
-from client_agent.trainer import ClientRuntime, load_run_data
+from client_agent.trainer import ClientRuntime
+from fairfl.compose.local_selection import LocalClusterer
 from fairfl.config import ConfigError, experiment_from_dict
+from fairfl.data import load_run_data
 from fairfl.params import load_flat
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.strategy import RoundContext, Strategy, build_strategy
 from fairfl.v1 import clustering_pb2, federation_pb2, tensor_pb2
 
 # --- helpers --------------------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ def _runtime(seed: int = 3) -> tuple[ClientRuntime, torch.Tensor]:
         {
             "seed": seed,
             "data": {"dataset": "synthetic", "num_clients": 3},
-            "model": {"name": "mlp", "hidden": [16, 8]},
+            "model": {"name": "mlp", "params": {"hidden": [16, 8]}},
             "selection": {"clients_per_round": 2},
         }
     )

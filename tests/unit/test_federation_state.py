@@ -12,14 +12,10 @@ import pytest
 import torch
 
 from aggregator_service.engine import PhaseOutcome
-from aggregator_service.federation import (
-    MAX_TASKS_PER_POLL,
-    FederationServicer,
-    FederationState,
-    GrpcTransport,
-    RegistrationRefused,
-    Rejected,
-)
+from aggregator_service.federation.admission import Rejected
+from aggregator_service.federation.servicer import FederationServicer
+from aggregator_service.federation.state import MAX_TASKS_PER_POLL, FederationState, RegistrationRefused
+from aggregator_service.federation.transport import GrpcTransport
 from fairfl.models import build_model
 from fairfl.params import ParamLayout
 from fairfl.protocol import TRAIN, UPDATE, ClientResult, encode_result

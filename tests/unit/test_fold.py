@@ -1,4 +1,4 @@
-"""Streaming aggregation (aggregator_service/strategies/fold.py): order-independent exact sums, running log-sum-exp,
+"""Streaming aggregation (fairfl/fold.py): order-independent exact sums, running log-sum-exp,
 thread safety, and the engine streaming to the same bits as a buffered round."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
-from aggregator_service.strategies import fold
-from aggregator_service.strategies.fold import ExactSum, ResultFold, Weight
+from fairfl import fold
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import experiment_from_dict
+from fairfl.fold import ExactSum, ResultFold, Weight
 from fairfl.protocol import UPDATE, ClientResult
 from fairfl.v1 import control_pb2, federation_pb2
 
@@ -139,7 +140,7 @@ def _config(strategy: dict[str, Any]) -> Any:
             "seed": 3,
             "rounds": 3,
             "data": {"dataset": "synthetic", "num_clients": 6, "partition": "iid"},
-            "model": {"name": "mlp", "hidden": [16]},
+            "model": {"name": "mlp", "params": {"hidden": [16]}},
             "training": {"local_steps": 3, "batch_size": 8, "lr": 0.1},
             "strategy": strategy,
             "selection": {"method": "random", "clients_per_round": 4},

@@ -49,7 +49,7 @@ def _runtime(kinds: list[str], model: str = "mlp", n: int = 200) -> tuple[Client
     config = experiment_from_dict(
         {
             "data": {"dataset": "synthetic", "num_clients": len(kinds)},
-            "model": {"name": model, "hidden": [16]},
+            "model": {"name": model, "params": {"hidden": [16]} if model == "mlp" else {}},
             "selection": {"clients_per_round": 1},
             "runtime": {"agents": 1},
         }

@@ -7,7 +7,8 @@ import logging
 import pytest
 import torch
 
-from aggregator_service.federation import FederationServicer, FederationState
+from aggregator_service.federation.servicer import FederationServicer
+from aggregator_service.federation.state import FederationState
 from client_agent.agent import Agent
 from client_agent.trainer import ClientRuntime
 from fairfl.params import flatten_parameters

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from aggregator_service.engine import RoundEngine
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
-from fairfl.compare import load_comparison
+from fairfl.compose.compare import load_comparison
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalClusterer, LocalSelector
+from fairfl.compose.results import RunRecorder
 from fairfl.config import ConfigError, experiment_from_dict, load_experiment
 from fairfl.data import build_federated, client_groups, partition_label_groups
 from fairfl.data.datasets import DatasetNotFoundError, load_dataset
-from fairfl.results import RunRecorder
 from fairfl.v1 import control_pb2
 
 LABELS = np.repeat(np.arange(10), 50)  # 50 samples of each of 10 classes
@@ -136,7 +137,7 @@ def test_engine_reports_found_clusters_and_nmi_against_true_groups() -> None:
                 "samples_per_class": 40,
                 "test_per_client": 50,
             },
-            "model": {"name": "mlp", "hidden": [32, 16]},
+            "model": {"name": "mlp", "params": {"hidden": [32, 16]}},
             "training": {"local_epochs": 1, "batch_size": 20, "lr": 0.05},
             "strategy": {"name": "equitable"},
             "selection": {"clients_per_round": 4},
@@ -144,7 +145,8 @@ def test_engine_reports_found_clusters_and_nmi_against_true_groups() -> None:
         }
     )
     recorder = RunRecorder(config, quiet=True)
-    engine = RoundEngine("g", config, InProcessTransport(), LocalSelector("random"), LocalPrivacy(), recorder)
+    selector, clusterer = LocalSelector("random"), LocalClusterer()
+    engine = RoundEngine("g", config, InProcessTransport(), selector, LocalPrivacy(), recorder, clusterer=clusterer)
     assert engine.run().state == control_pb2.RUN_STATE_COMPLETED
     for event in recorder.rounds:
         assert [(c.client_id, c.true_group) for c in event.clusters] == [(0, 0), (1, 0), (2, 1), (3, 1)]
@@ -164,7 +166,7 @@ def test_presets_follow_the_papers_mnist_setup() -> None:
     assert (d.dataset, d.num_clients, d.partition) == ("fashion_mnist", 10, "label_groups")
     assert (d.group_sizes, d.group_classes, d.samples_per_class) == ([4, 6], [4, 6], 800)
     assert cfg.selection.clients_per_round == 4 and cfg.training.budget() == ("local_epochs", 5)
-    assert (cfg.model.name, cfg.model.hidden) == ("mlp", [200, 200])
+    assert (cfg.model.name, cfg.model.params) == ("mlp", {"hidden": [200, 200]})
     assert (cfg.strategy.name, cfg.strategy.params) == ("equitable", {"num_clusters": 2, "mu": 0.01})
     spec = load_comparison(here / "fmnist.compare.yaml")
     assert spec.target_accuracy == 75.0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fairfl.models import MODEL_NAMES, build_model, count_parameters
+from fairfl.models import build_model, count_parameters
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_custom_widths() -> None:
     assert cnn(torch.randn(2, 1, 28, 28)).shape == (2, 10)
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", ["cnn", "logreg", "mlp"])
 def test_same_seed_same_parameters(name: str) -> None:
     shape = (1, 28, 28) if name == "cnn" else (30,)
     torch.manual_seed(123)

@@ -7,8 +7,7 @@ import re
 
 import pytest
 
-from fairfl.privacy import COUNT_MAX, NOISE_MULTIPLIER_RANGE, ORDERS_MAX
-from privacy_service.accountant import (
+from fairfl.accounting import (
     DEFAULT_ORDERS,
     MAX_ROUNDS_LIMIT,
     PAPER_ORDERS,
@@ -22,6 +21,7 @@ from privacy_service.accountant import (
     max_rounds,
     paper_parity_max_rounds,
 )
+from fairfl.privacy import COUNT_MAX, NOISE_MULTIPLIER_RANGE, ORDERS_MAX
 
 DELTA = 1e-5
 Q = 0.05

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from privacy_service.accountant import EventSpec, UnsoundAccounting, epsilon, max_rounds
+from fairfl.accounting import EventSpec, UnsoundAccounting, epsilon, max_rounds
 from privacy_service.ledger import (
     Budget,
     BudgetConflict,

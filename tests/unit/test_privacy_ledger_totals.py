@@ -6,7 +6,7 @@ import math
 import sqlite3
 from pathlib import Path
 
-from privacy_service.accountant import EventSpec, epsilon
+from fairfl.accounting import EventSpec, epsilon
 from privacy_service.ledger import SCHEMA_VERSION, Budget, Event, SqliteLedger
 
 DELTA = 1e-5

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from fairfl.rpc import open_channel, start_server
+from fairfl.accounting import EventSpec, epsilon
+from fairfl.rpc_channel import open_channel
+from fairfl.rpc_server import start_server
 from fairfl.v1 import privacy_pb2 as pb
 from fairfl.v1 import privacy_pb2_grpc
-from privacy_service.accountant import EventSpec, epsilon
 from privacy_service.ledger import Budget, InMemoryLedger
 from privacy_service.servicer import SERVICE_NAME, PrivacyServicer
 

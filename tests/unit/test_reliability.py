@@ -20,12 +20,15 @@ import torch
 from aggregator_service import checkpoint
 from aggregator_service.checkpoint import RunCheckpointer, decode_state, encode_state, run_directory
 from aggregator_service.engine import RoundEngine
-from aggregator_service.federation import FederationState, GrpcTransport, Rejected
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
+from aggregator_service.federation.admission import Rejected
+from aggregator_service.federation.state import FederationState
+from aggregator_service.federation.transport import GrpcTransport
 from aggregator_service.runs import RunManager, RunStartError
 from client_agent.faults import DropPlan
 from fairfl.codec import CodecError
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
 from fairfl.v1 import control_pb2, federation_pb2
 
@@ -38,7 +41,7 @@ def _config(**overrides: Any) -> ExperimentConfig:
         "seed": 5,
         "rounds": 6,
         "data": {"dataset": "synthetic", "num_clients": 8},
-        "model": {"name": "mlp", "hidden": [12]},
+        "model": {"name": "mlp", "params": {"hidden": [12]}},
         "training": {"local_steps": 2, "batch_size": 10, "lr": 0.1},
         "selection": {"clients_per_round": 4},
         "evaluation": {"every": 3},
@@ -554,14 +557,14 @@ def test_long_polls_beyond_the_limit_answer_at_once() -> None:
 def _child(tmp_path: Path, code: str) -> Any:
     import subprocess
 
-    from fairfl.launcher import Child
+    from fairfl.compose.launcher import Child
 
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     return Child("probe", process, tmp_path / "probe.log")
 
 
 def test_launcher_reports_a_child_that_hangs_or_dies_before_announcing(tmp_path: Path) -> None:
-    from fairfl.launcher import _announced_ports
+    from fairfl.compose.launcher import _announced_ports
 
     hanging = _child(tmp_path, "import time; time.sleep(30)")
     started = time.monotonic()
@@ -666,7 +669,8 @@ def test_an_agent_sends_the_same_dp_release_for_a_task_sent_again() -> None:
     """A resumed round is re-run as authorised: its DP tasks come again, and must not draw fresh noise."""
     from aggregator_service.engine import initial_model, task_seed
     from client_agent.agent import Agent
-    from client_agent.trainer import ClientRuntime, load_run_data
+    from client_agent.trainer import ClientRuntime
+    from fairfl.data import load_run_data
     from fairfl.protocol import UPDATE
 
     config = _dp_config()
@@ -728,7 +732,8 @@ class _AnsweredCall:
 def test_an_agent_survives_any_end_of_its_result_in_flight() -> None:
     import grpc
 
-    from client_agent.agent import STOP_GRACE_S, Agent, _Submission
+    from client_agent.agent import STOP_GRACE_S, Agent
+    from client_agent.uploads import _Submission
 
     def submission(task_id: str, call: object | None, error: Exception | None = None) -> _Submission:
         sub = _Submission(task_id, "train", payload_bytes=0)
@@ -740,30 +745,30 @@ def test_an_agent_survives_any_end_of_its_result_in_flight() -> None:
 
     agent = Agent("127.0.0.1:1", [0])
     try:
-        agent._in_flight.append(submission("t/ok", _AnsweredCall(None)))
-        agent._finish_submissions()
-        assert agent.tasks_done == 1 and not agent._in_flight
+        agent.uploads._in_flight.append(submission("t/ok", _AnsweredCall(None)))
+        agent.uploads.finish()
+        assert agent.uploads.tasks_done == 1 and not agent.uploads._in_flight
         for error in (grpc.FutureCancelledError(), grpc.FutureTimeoutError()):
             call = _AnsweredCall(error)
             lost = submission("t/lost", call)
-            agent._in_flight.append(lost)
-            agent._finish_submissions(timeout=STOP_GRACE_S)  # no exception escapes: the agent keeps running
+            agent.uploads._in_flight.append(lost)
+            agent.uploads.finish(timeout=STOP_GRACE_S)  # no exception escapes: the agent keeps running
             assert call.cancelled and lost.abandoned and call.waited is not None and call.waited <= STOP_GRACE_S
-            assert not agent._in_flight
+            assert not agent.uploads._in_flight
         # Still encoding when the agent stops waiting (a short grace period): the call is then never opened.
         pending = submission("t/slow", None)
-        agent._in_flight.append(pending)
-        agent._finish_submissions(timeout=0.05)
-        assert pending.abandoned and not agent._in_flight
+        agent.uploads._in_flight.append(pending)
+        agent.uploads.finish(timeout=0.05)
+        assert pending.abandoned and not agent.uploads._in_flight
         opened: list[object] = []
-        agent.submit_async = lambda result, runtime: opened.append(result)  # type: ignore[method-assign]
+        agent.uploads.submit_async = lambda result, runtime: opened.append(result)  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="stopped before the result was sent"):
-            agent._open(pending, object(), object())  # type: ignore[arg-type]
+            agent.uploads._open(pending, object(), object())  # type: ignore[arg-type]
         assert opened == []
         # A payload the wire dtype cannot carry (float16 overflow) was never sent: counted failed, nothing raised.
-        agent._in_flight.append(submission("t/f16", None, error=CodecError("overflow", reason="non_finite")))
-        agent._finish_submissions()
-        assert agent.tasks_done == 1
+        agent.uploads._in_flight.append(submission("t/f16", None, error=CodecError("overflow", reason="non_finite")))
+        agent.uploads.finish()
+        assert agent.uploads.tasks_done == 1
     finally:
         agent.channel.close()
 

@@ -82,45 +82,45 @@ def test_results_without_payloads_go_in_one_call_and_each_answer_counts_on_its_o
     aggregator, agent = served
     runtime = synthetic_runtime()
     for client, task_id in enumerate(["r/r1/p0/c0", "r/r1/p0/c1-bad", "r/r1/p0/c2"]):
-        agent._batch.append(("evaluate", _evaluation(task_id, client), runtime))
-    agent._flush_batch()
-    assert agent._batch == []
-    agent._finish_submissions()
+        agent.uploads._batch.append(("evaluate", _evaluation(task_id, client), runtime))
+    agent.uploads.flush_batch()
+    assert agent.uploads._batch == []
+    agent.uploads.finish()
 
     if aggregator.batches:
         (call,) = aggregator.batch_calls  # one call for the three results
         assert [h.task_id for h in call] == ["r/r1/p0/c0", "r/r1/p0/c1-bad", "r/r1/p0/c2"]
         assert all(h.total_bytes == 0 and h.sha256 == EMPTY_SHA256 and not h.sha256_in_trailer for h in call)
         assert [h.test_accuracy for h in call] == [75.0] * 3
-        assert agent.tasks_done == 2  # the refused one is not counted done
-        assert agent.batching and aggregator.streams == []
+        assert agent.uploads.tasks_done == 2  # the refused one is not counted done
+        assert agent.uploads.batching and aggregator.streams == []
     else:
         # UNIMPLEMENTED: the same headers, one stream each, and no batches from then on.
-        assert not agent.batching
+        assert not agent.uploads.batching
         assert [[c.header.task_id for c in s] for s in aggregator.streams] == [
             ["r/r1/p0/c0"],
             ["r/r1/p0/c1-bad"],
             ["r/r1/p0/c2"],
         ]
-        assert agent.tasks_done == 3
-    assert not agent._in_flight
+        assert agent.uploads.tasks_done == 3
+    assert not agent.uploads._in_flight
 
 
 def test_a_full_batch_is_handed_over_before_the_poll_batch_ends(
     served: tuple[_Aggregator, Agent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import client_agent.agent as agent_module
+    import client_agent.uploads as uploads_module
 
     aggregator, agent = served
-    monkeypatch.setattr(agent_module, "BATCH_RESULTS", 2)
+    monkeypatch.setattr(uploads_module, "BATCH_RESULTS", 2)
     runtime = synthetic_runtime()
     monkeypatch.setattr(agent, "_runtime", lambda run_id: runtime)
     monkeypatch.setattr(runtime, "run", lambda task: _evaluation(task.task_id, task.client_id))
     for client in range(3):
         agent._handle(federation_pb2.Task(task_id=f"r/r1/p0/c{client}", run_id="r", phase=EVALUATE, client_id=client))
-    assert [r.task_id for _, r, _ in agent._batch] == ["r/r1/p0/c2"]  # the first two were handed over
-    agent._flush_batch()
-    agent._finish_submissions()
-    assert agent.tasks_done == 3
+    assert [r.task_id for _, r, _ in agent.uploads._batch] == ["r/r1/p0/c2"]  # the first two were handed over
+    agent.uploads.flush_batch()
+    agent.uploads.finish()
+    assert agent.uploads.tasks_done == 3
     if aggregator.batches:
         assert sorted(len(call) for call in aggregator.batch_calls) == [1, 2]  # two calls in flight at once

@@ -16,13 +16,16 @@ import grpc
 import pytest
 import torch
 
-import aggregator_service.federation as federation_module
-import client_agent.agent as agent_module
-from aggregator_service.federation import FederationServicer, FederationState, GrpcTransport
+import aggregator_service.federation.servicer as federation_module
+import client_agent.uploads as uploads_module
+from aggregator_service.federation.servicer import FederationServicer
+from aggregator_service.federation.state import FederationState
+from aggregator_service.federation.transport import GrpcTransport
 from client_agent.agent import Agent
 from client_agent.trainer import ClientRuntime
-from fairfl import codec, rpc
+from fairfl import framing
 from fairfl.protocol import TRAIN, UPDATE, ClientResult, encode_result, encode_upload, parse_result_upload
+from fairfl.rpc_refusals import refuse
 from fairfl.v1 import federation_pb2, federation_pb2_grpc
 from tests.unit.test_dp_sgd import synthetic_runtime
 
@@ -71,7 +74,7 @@ def test_the_parser_views_the_payload_and_leaves_other_encodings_to_protobuf() -
     )
     twice = canonical + federation_pb2.ResultUpload(data=b"new").SerializeToString()  # protobuf: the last data wins
     for raw, data in ((reordered, b"xyz"), (twice, b"new")):
-        assert codec.split_header_data(raw) is None
+        assert framing.split_header_data(raw) is None
         parsed = parse_result_upload(raw)
         assert (parsed.header, bytes(parsed.data), parsed.error) == (header, data, "")
 
@@ -127,18 +130,21 @@ def test_small_results_go_in_one_upload_and_fall_back_to_streams(served: tuple[_
     runtime = synthetic_runtime()
     payload = _result(runtime).payloads[UPDATE].numpy().tobytes()
     for task_id in ("r/r1/p0/c0", "r/r1/p1/c0"):
-        agent._hand_over(
-            agent_module._Submission(task_id, "train", len(payload)), agent._open, _result(runtime, task_id), runtime
+        agent.uploads._hand_over(
+            uploads_module._Submission(task_id, "train", len(payload)),
+            agent.uploads._open,
+            _result(runtime, task_id),
+            runtime,
         )
-    agent._finish_submissions()
-    assert agent.tasks_done == 2 and not agent._in_flight
+    agent.uploads.finish()
+    assert agent.uploads.tasks_done == 2 and not agent.uploads._in_flight
     if aggregator.uploads_on:
         assert sorted(u.header.task_id for u in aggregator.uploads) == ["r/r1/p0/c0", "r/r1/p1/c0"]  # in flight at once
         assert all(u.data == payload for u in aggregator.uploads)
-        assert agent.uploading and aggregator.streams == []
+        assert agent.uploads.uploading and aggregator.streams == []
     else:
         # UNIMPLEMENTED: the first result is streamed instead, and so is every later one (no upload tried again).
-        assert not agent.uploading
+        assert not agent.uploads.uploading
         assert sorted(s[0].header.task_id for s in aggregator.streams) == ["r/r1/p0/c0", "r/r1/p1/c0"]
         for stream in aggregator.streams:
             assert stream[0].header.sha256_in_trailer
@@ -151,10 +157,10 @@ def test_results_too_big_for_one_message_are_streamed(
 ) -> None:
     aggregator, agent = served
     runtime = synthetic_runtime()
-    monkeypatch.setattr(agent_module, "UPLOAD_BYTES", runtime.layout.nbytes - 1)
-    agent.submit(_result(runtime), runtime)
+    monkeypatch.setattr(uploads_module, "UPLOAD_BYTES", runtime.layout.nbytes - 1)
+    agent.uploads.submit(_result(runtime), runtime)
     assert aggregator.uploads == [] and len(aggregator.streams) == 1
-    assert agent.uploading  # not a fallback: the aggregator was never asked
+    assert agent.uploads.uploading  # not a fallback: the aggregator was never asked
 
 
 class _Aborted(Exception):
@@ -185,7 +191,7 @@ def test_an_upload_may_leave_out_its_sha256_only_over_mutual_tls(
     transport = GrpcTransport(state)
     transport.start_run("r", runtime.config, runtime.layout)
     agent_id = state.register("agent-0", [0], "cpu", principal=principal).agent_id
-    monkeypatch.setattr(federation_module.rpc, "principal", lambda context: context.principal)
+    monkeypatch.setattr(federation_module.rpc_security, "principal", lambda context: context.principal)
     servicer = FederationServicer(state)
     task = federation_pb2.Task(task_id="r/r1/p0/c0", run_id="r", round=1, phase=TRAIN, client_id=0, deadline_unix=1e12)
     task.train.local_steps = 1
@@ -226,27 +232,29 @@ class _BusyAggregator(_Aggregator):
     def UploadResult(self, request: federation_pb2.ResultUpload, context: grpc.ServicerContext):
         self.calls += 1
         if self.calls <= self.busy:
-            rpc.refuse(context, "fairfl.v1.Federation", self.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+            refuse(context, "fairfl.v1.Federation", self.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
         return super().UploadResult(request, context)
 
 
 @pytest.mark.parametrize(("busy", "reason"), [(2, "concurrency"), (2, "rate_limited"), (99, "capacity"), (1, "size")])
 def test_a_result_turned_away_as_busy_is_sent_again(busy: int, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(agent_module, "BUSY_RETRY_PAUSES_S", (0.01, 0.01, 0.01))
+    monkeypatch.setattr(uploads_module, "BUSY_RETRY_PAUSES_S", (0.01, 0.01, 0.01))
     aggregator = _BusyAggregator(busy, reason)
     with _agent_of(aggregator) as agent:
         runtime = synthetic_runtime()
         result = _result(runtime)
         size = runtime.layout.nbytes
-        agent._hand_over(agent_module._Submission(result.task_id, "train", size), agent._open, result, runtime)
-        agent._finish_submissions()
+        agent.uploads._hand_over(
+            uploads_module._Submission(result.task_id, "train", size), agent.uploads._open, result, runtime
+        )
+        agent.uploads.finish()
     if reason == "size":  # RESOURCE_EXHAUSTED, but not busy: sending the same again would not help
-        assert aggregator.calls == 1 and aggregator.uploads == [] and agent.tasks_done == 0
+        assert aggregator.calls == 1 and aggregator.uploads == [] and agent.uploads.tasks_done == 0
     elif busy == 2:  # refused twice, accepted the third time: delivered once
-        assert aggregator.calls == 3 and len(aggregator.uploads) == 1 and agent.tasks_done == 1
+        assert aggregator.calls == 3 and len(aggregator.uploads) == 1 and agent.uploads.tasks_done == 1
     else:  # still busy after every pause: given up on, as any other refusal (the round goes on without it)
-        assert aggregator.calls == 4 and aggregator.uploads == [] and agent.tasks_done == 0
-    assert not agent._in_flight
+        assert aggregator.calls == 4 and aggregator.uploads == [] and agent.uploads.tasks_done == 0
+    assert not agent.uploads._in_flight
 
 
 class _BusyPolls(federation_pb2_grpc.FederationServicer):
@@ -267,7 +275,7 @@ class _BusyPolls(federation_pb2_grpc.FederationServicer):
     def PollTasks(self, request: federation_pb2.PollRequest, context: grpc.ServicerContext):
         self.polls += 1
         if self.polls <= 2:
-            rpc.refuse(context, "fairfl.v1.Federation", "concurrency", grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+            refuse(context, "fairfl.v1.Federation", "concurrency", grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
         self.agent[0].stop.set()
         return federation_pb2.PollReply()
 

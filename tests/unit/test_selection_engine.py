@@ -13,16 +13,18 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
 from aggregator_service.selection import SelectionContext, UpdateBank, select_request, selection_input
-from clustering_service import SelectionOutput, SelectionParams
-from clustering_service.servicer import selection_input_from_proto
-from fairfl.compare import load_comparison
+from clustering_service.samplers import ClusteredSampler, HicsParams
+from clustering_service.servicer import sampler_of, selection_input_from_proto
+from fairfl.compose.compare import load_comparison
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict, load_experiment
 from fairfl.data.groups import client_groups
 from fairfl.data.partition import partition_dirichlet_groups
 from fairfl.protocol import PROBE, TRAIN, UPDATE
+from fairfl.sampling import SelectionOutput
 from fairfl.v1 import control_pb2, federation_pb2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +36,7 @@ def _config(method: str, **over: Any) -> ExperimentConfig:
         "seed": 5,
         "rounds": 6,
         "data": {"dataset": "synthetic", "num_clients": 12},
-        "model": {"name": "mlp", "hidden": [16]},
+        "model": {"name": "mlp", "params": {"hidden": [16]}},
         "training": {"local_steps": 3, "batch_size": 16, "lr": 0.05},
         "selection": {"method": method, "clients_per_round": 3},
         "evaluation": {"every": 100},
@@ -79,13 +81,14 @@ def _run(config: ExperimentConfig, selector: Any = None) -> tuple[list[control_p
     ("over", "match"),
     [
         ({"selection.params": {"temperature": -1.0}}, "selection.params.temperature: must be > 0"),
-        ({"selection.params": {"tau": 1.0}}, "selection.params.tau: not a parameter of selection method hics"),
+        ({"selection.params": {"tau": 1.0}}, "selection.params: unknown parameter 'tau'"),
         ({"selection.params": {"num_clusters": 13}}, "selection.params.num_clusters: 13 exceeds data.num_clients"),
         ({"selection.method": "power_of_choice", "selection.params": {"candidates": 2}}, "selection.params.candidates"),
-        ({"selection.method": "hicsfl"}, "selection.method"),
+        ({"selection.method": "hicsfl"}, "selection.method: unknown sampler 'hicsfl'"),
+        ({"selection.params": {"total_rounds": 9}}, "selection.params.total_rounds: set by the run"),
         (
             {"privacy": {"enabled": True, "sample_rate": 0.1}, "training.local_steps": 2},
-            "selection.method: hics selects on clients' bias updates",
+            "selection.method: hics is not a uniform sampler",
         ),
         ({"data.group_alphas": [0.1]}, "data.group_alphas: applies to partition dirichlet_groups only"),
     ],
@@ -96,7 +99,7 @@ def test_selection_config_errors_name_the_field(over: dict[str, Any], match: str
 
 
 def test_clustered_is_a_synonym_and_params_are_typed() -> None:
-    assert _config("clustered").selection.method == "clustered_sampling"
+    assert _config("clustered").selection.sampler_class() is ClusteredSampler  # one sampler, two names
     cfg = _config("hics", **{"selection.params": {"temperature": 0.01, "gamma0": 2, "freeze_after_warmup": True}})
     assert cfg.selection.params == {"temperature": 0.01, "gamma0": 2, "freeze_after_warmup": True}
     with pytest.raises(ConfigError, match=r"data\.group_alphas: one α per group"):
@@ -269,14 +272,32 @@ def test_the_wire_request_carries_exactly_what_the_in_process_path_sees() -> Non
         [9, 3, 5, 1],
         2,
         seed=4,
-        params=SelectionParams(temperature=0.01, lambda_entropy=0.0, total_rounds=50, freeze_after_warmup=False),
+        params=HicsParams(temperature=0.01, lambda_entropy=0.0, total_rounds=50, freeze_after_warmup=False),
         num_samples=[10, 0, 30, 40],
         similarity=gram @ gram.T,
     )
-    local, wire = selection_input(context), selection_input_from_proto(select_request(4, context))
+    request = select_request("hics", context)
+    ref, _, params = sampler_of(request)
+    local, wire = selection_input(context), selection_input_from_proto(request, params)
+    assert ref == "hics"
     assert wire.params == local.params  # unset stays unset, 0 and False stay set
     for name in ("candidates", "candidate_num_samples", "similarity"):
         np.testing.assert_array_equal(getattr(wire, name), getattr(local, name))
     too_big = replace(context, candidates=list(range(800)), similarity=np.zeros((800, 800)), num_samples=None)
     with pytest.raises(ValueError, match="does not fit one Select message"):
-        select_request(3, too_big)
+        select_request("clustered_sampling", too_big)
+
+
+def test_the_aggregator_process_selects_only_through_a_clustering_service(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aggregator_service.server import Aggregator, main
+
+    monkeypatch.delenv("FAIRFL_CLUSTERING_ADDRESS", raising=False)
+    with pytest.raises(SystemExit) as ended:
+        main(["--bind", "127.0.0.1:0"])
+    assert ended.value.code == 2 and "--clustering ADDRESS (env FAIRFL_CLUSTERING_ADDRESS) is required" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match="--clustering ADDRESS"):
+        Aggregator("")

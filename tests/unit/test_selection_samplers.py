@@ -11,8 +11,7 @@ from scipy.cluster import hierarchy
 from scipy.spatial.distance import pdist
 
 from clustering_service.clustering import canonical_labels
-from clustering_service.errors import InvalidInput
-from clustering_service.samplers import SelectionInput, SelectionParams, params_from_config, select
+from clustering_service.samplers import SelectionInput, select
 from clustering_service.samplers.base import gumbel_top_k, warmup_block
 from clustering_service.samplers.clustered import mass_capped_clusters, sampling_distributions
 from clustering_service.samplers.hics import annealed_gamma, cluster_log_probabilities
@@ -24,7 +23,9 @@ from clustering_service.samplers.hierarchy import (
     ward_from_matrix,
     weighted_ward,
 )
-from clustering_service.state import RunState, Signature
+from fairfl.plugins import parse_params
+from fairfl.sampling import SAMPLERS, InvalidInput, RunState, Signature
+from fairfl.schema import ConfigError
 
 C = 10
 
@@ -50,7 +51,7 @@ def _planted_bias(groups: list[int], seed: int = 0) -> tuple[np.ndarray, np.ndar
 
 
 def _hics(state: RunState, round_: int, k: int, n: int, seed: int = 3, **params: object) -> tuple[int, ...]:
-    p = SelectionParams(total_rounds=200, **params)  # type: ignore[arg-type]
+    p = dict(total_rounds=200, **params)  # type: ignore[arg-type]
     return select("hics", SelectionInput("r", round_, k, np.arange(n), seed=seed, params=p), state).selected
 
 
@@ -98,7 +99,7 @@ def test_hics_clusters_are_the_planted_groups() -> None:
     state = _state(bias)
     out = select(
         "hics",
-        SelectionInput("r", 40, 5, np.arange(truth.size), seed=1, params=SelectionParams(total_rounds=200)),
+        SelectionInput("r", 40, 5, np.arange(truth.size), seed=1, params=dict(total_rounds=200)),
         state,
     )
     # cluster ids reported with the selection are Ward's clusters of the selected clients
@@ -191,7 +192,7 @@ def test_hics_over_many_clients_is_fast_and_deterministic() -> None:
     rng = np.random.default_rng(0)
     n = 3000
     state = _state(rng.standard_normal((n, C)) * 0.01, rng.integers(50, 500, n))
-    params = SelectionParams(total_rounds=100, max_ward_points=500)  # the coarse path: 500 representatives
+    params = dict(total_rounds=100, max_ward_points=500)  # the coarse path: 500 representatives
     first = select("hics", SelectionInput("r", 50, 100, np.arange(n), seed=2, params=params), state)
     again = select("hics", SelectionInput("r", 50, 100, np.arange(n), seed=2, params=params), state)
     assert first == again and len(set(first.selected)) == 100
@@ -206,7 +207,7 @@ def test_power_of_choice_asks_for_d_candidate_losses_then_takes_the_top_k() -> N
     cands = np.arange(100, 120)
     first = select("power_of_choice", SelectionInput("r", 1, 3, cands), state)
     assert first.needs_losses and first.selected == tuple(cands.tolist())  # d = 0: every candidate (paper's d = N)
-    d = select("power_of_choice", SelectionInput("r", 1, 3, cands, params=SelectionParams(choice_candidates=8)), state)
+    d = select("power_of_choice", SelectionInput("r", 1, 3, cands, params=dict(candidates=8)), state)
     assert d.needs_losses and len(set(d.selected)) == 8
     losses = np.array([0.5, 2.0, 2.0, 0.1, 3.0, 1.0, 0.2, 0.3])
     probed = np.asarray(d.selected)
@@ -228,7 +229,7 @@ def test_power_of_choice_candidate_draw_follows_data_size() -> None:
                 1,
                 np.arange(6),
                 seed=1,
-                params=SelectionParams(choice_candidates=2),
+                params=dict(candidates=2),
                 candidate_num_samples=sizes,
             ),
             state,
@@ -320,22 +321,22 @@ def test_facility_location_greedy_matches_brute_force_on_a_small_case() -> None:
 @pytest.mark.parametrize(
     ("method", "raw", "match"),
     [
-        ("hics", {"temperature": 0}, "temperature: must be > 0"),
+        ("hics", {"temperature": 0}, "selection.params.temperature: must be > 0"),
         ("hics", {"temperature": "hot"}, "temperature: expected a number"),
         ("hics", {"num_clusters": 2.5}, "num_clusters: expected an integer"),
         ("hics", {"freeze_after_warmup": 1}, "expected true or false"),
-        ("hics", {"total_rounds": 5}, "total_rounds: not a parameter"),
-        ("hics", {"candidates": 5}, "candidates: not a parameter of selection method hics"),
-        ("power_of_choice", {"gamma0": 1.0}, "its parameters: candidates"),
+        ("hics", {"candidates": 5}, "unknown parameter 'candidates'; valid parameters: temperature"),
+        ("power_of_choice", {"gamma0": 1.0}, "valid parameters: candidates"),
+        ("power_of_choice", {"candidates": -1}, "selection.params.candidates: must be >= 0"),
         ("divfl", {"warmup_rounds": -1}, "warmup_rounds: must be >= 0"),
-        ("random", {"sketch_dim": 8}, "its parameters: none"),
+        ("random", {"sketch_dim": 8}, "valid parameters: none"),
     ],
 )
-def test_params_from_config_names_the_bad_key(method: str, raw: dict[str, object], match: str) -> None:
-    with pytest.raises(InvalidInput, match=match):
-        params_from_config(method, raw)
+def test_declared_params_name_the_bad_key(method: str, raw: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_params(SAMPLERS.load(method, "selection.method").Params, raw, "selection.params")
 
 
-def test_params_from_config_maps_candidates_to_d() -> None:
-    assert params_from_config("power_of_choice", {"candidates": 7}).choice_candidates == 7
-    assert params_from_config("hics", {"gamma0": 2}).gamma0 == 2.0
+def test_declared_params_are_typed() -> None:
+    assert parse_params(SAMPLERS.load("power_of_choice", "m").Params, {"candidates": 7}, "p").candidates == 7
+    assert parse_params(SAMPLERS.load("hics", "m").Params, {"gamma0": 2}, "p").gamma0 == 2.0

@@ -13,18 +13,18 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from aggregator_service import inprocess
 from aggregator_service.engine import RoundEngine, initial_model
-from aggregator_service.inprocess import InProcessTransport
-from aggregator_service.peers import LocalPrivacy, LocalSelector
-from aggregator_service.strategies import STRATEGIES, build_strategy
-from aggregator_service.strategies.base import AggregateOutcome, RoundContext, Strategy
 from aggregator_service.strategies.fedmgda import min_norm_weights, project_capped_simplex
-from client_agent.trainer import ClientRuntime, load_run_data
+from client_agent.trainer import ClientRuntime
+from fairfl.compose import inprocess
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
-from fairfl.data import FederatedData
+from fairfl.data import FederatedData, load_run_data
 from fairfl.data.datasets import ArrayDataset, DatasetNotFoundError, load_dataset
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
+from fairfl.strategy import STRATEGIES, AggregateOutcome, RoundContext, Strategy, build_strategy
 from fairfl.v1 import control_pb2, federation_pb2, tensor_pb2
 
 # --- helpers --------------------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ THREE = [
 
 def test_registry_has_every_baseline() -> None:
     for name in ("fedavg", "fedprox", "fedfair", "qffl", "afl", "fedmgda_plus", "term"):
-        assert STRATEGIES[name].name == name
+        assert STRATEGIES.load(name, "strategy.name").name == name
 
 
 def test_defaults() -> None:
@@ -430,7 +430,7 @@ def test_term_weights_by_hand() -> None:
     out = aggregate(strategy("term", tilt=0.8), context(X0, [0, 1, 2]), THREE)
     e = [math.exp(0.8 * f) for f in (0.4, 1.2, 2.5)]
     want = {i: v / sum(e) for i, v in enumerate(e)}
-    # Streaming aggregation rounds each weight's mantissa to float32 (exact products, strategies/fold.py).
+    # Streaming aggregation rounds each weight's mantissa to float32 (exact products, fairfl/fold.py).
     assert out.weights == pytest.approx(want, rel=2**-23)
     expected = torch.tensor(X0).double() + sum(want[i] * THREE[i].payloads[UPDATE].double() for i in range(3))
     assert torch.allclose(out.params.double(), expected, atol=1e-7)
@@ -549,7 +549,7 @@ def test_fedfair_and_qffl_match_fedavg_on_fashion_mnist_iid() -> None:
     def fmnist(name: str, params: dict[str, Any]) -> ExperimentConfig:
         cfg = config(name, params, dataset="fashion_mnist", partition="iid", num_clients=10)
         cfg.model.name = "mlp"
-        cfg.model.hidden = [32]
+        cfg.model.params = {"hidden": [32]}
         return cfg
 
     data = load_run_data(fmnist("fedavg", {}))

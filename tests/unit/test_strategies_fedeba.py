@@ -9,7 +9,6 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from aggregator_service.strategies.base import RoundContext
 from aggregator_service.strategies.fedeba import (
     FedEBA,
     FedEBAParams,
@@ -20,6 +19,7 @@ from aggregator_service.strategies.fedeba import (
 )
 from fairfl.metrics.fairness import loss_angle_degrees
 from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
+from fairfl.strategy import RoundContext
 from fairfl.v1 import federation_pb2, tensor_pb2
 
 
@@ -245,8 +245,9 @@ def test_fedeba_plus_without_alignment_is_fedeba_exactly() -> None:
     """α = 0 turns the aligned step into the plain one; the probe shares the round's seed, so the training batches and
     therefore the whole run are identical to FedEBA's."""
     from aggregator_service.engine import RoundEngine
-    from aggregator_service.inprocess import InProcessTransport
-    from aggregator_service.peers import LocalPrivacy, LocalSelector
+    from fairfl.compose.inprocess import InProcessTransport
+    from fairfl.compose.local_privacy import LocalPrivacy
+    from fairfl.compose.local_selection import LocalSelector
     from fairfl.config import experiment_from_dict
 
     finals = []
@@ -255,7 +256,7 @@ def test_fedeba_plus_without_alignment_is_fedeba_exactly() -> None:
             {
                 "rounds": 3,
                 "data": {"dataset": "synthetic", "num_clients": 8},
-                "model": {"hidden": [16]},
+                "model": {"params": {"hidden": [16]}},
                 "training": {"local_steps": 4, "batch_size": 10},
                 "selection": {"clients_per_round": 3},
                 "strategy": {"name": name, "params": params},

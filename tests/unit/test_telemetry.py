@@ -15,9 +15,12 @@ from grpc_health.v1 import health_pb2
 
 from aggregator_service.monitoring import RunMonitor
 from fairfl import codec, telemetry
+from fairfl.announce import announcement, parse_announcement
 from fairfl.config import experiment_from_dict
 from fairfl.metrics.fairness import client_disagreement, fairness_report, psi, weight_entropy
-from fairfl.rpc import open_channel, start_server
+from fairfl.rpc_channel import open_channel
+from fairfl.rpc_metrics import GrpcMetricsInterceptor
+from fairfl.rpc_server import start_server
 from fairfl.telemetry import CATALOG, REGISTRY
 from fairfl.v1 import clustering_pb2, clustering_pb2_grpc, control_pb2, privacy_pb2_grpc
 from fairfl.v1 import privacy_pb2 as pb
@@ -88,16 +91,16 @@ def test_docs_describe_every_metric() -> None:
     ],
 )
 def test_announcement_lines_parse_back_compatibly(line: str, ports: tuple[int | None, int | None] | None) -> None:
-    assert telemetry.parse_announcement(line) == ports
+    assert parse_announcement(line) == ports
     if ports is not None and ports[0] is not None:
         assert int(line.split()[1]) == ports[0]  # readers of the old one-port line still work
 
 
 def test_announcement_formats() -> None:
     endpoint = telemetry.MetricsEndpoint(9464, None)
-    assert telemetry.announcement(50051, endpoint) == "LISTENING 50051 METRICS 9464"
-    assert telemetry.announcement(50051, None) == "LISTENING 50051"
-    assert telemetry.announcement(None, endpoint) == "METRICS 9464"
+    assert announcement(50051, endpoint) == "LISTENING 50051 METRICS 9464"
+    assert announcement(50051, None) == "LISTENING 50051"
+    assert announcement(None, endpoint) == "METRICS 9464"
 
 
 # --- gRPC interceptor -------------------------------------------------------------------------------------------------
@@ -205,7 +208,7 @@ def test_interceptor_builds_each_methods_wrapper_once_and_keeps_its_thread_pool(
 
     check.__dict__["experimental_thread_pool"] = pool
     inner = grpc.unary_unary_rpc_method_handler(check)
-    interceptor = telemetry.GrpcMetricsInterceptor()
+    interceptor = GrpcMetricsInterceptor()
 
     class Details(grpc.HandlerCallDetails):
         method = "/grpc.health.v1.Health/Check"
@@ -432,7 +435,7 @@ def test_metrics_endpoint_serves_the_registry_on_a_free_port() -> None:
 
 
 def test_monitor_refuses_runs_whose_processes_it_does_not_start(capsys: pytest.CaptureFixture[str]) -> None:
-    from fairfl.cli import main
+    from fairfl.compose.cli import main
 
     config = str(REPO / "experiments" / "quickstart.yaml")
     assert main(["run", config, "--monitor", "--transport", "inprocess"]) == 2

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from client_agent import dp_sgd, trainer
-from client_agent.trainer import ClientRuntime, load_run_data
+from client_agent.trainer import ClientRuntime
 from fairfl.config import ExperimentConfig, experiment_from_dict
+from fairfl.data import load_run_data
 from fairfl.models import build_model
 from fairfl.params import (
     DeviceCache,
@@ -35,7 +36,7 @@ def small_config() -> ExperimentConfig:
     return experiment_from_dict(
         {
             "data": {"dataset": "synthetic", "num_clients": 4},
-            "model": {"hidden": [24, 12]},
+            "model": {"params": {"hidden": [24, 12]}},
             "selection": {"clients_per_round": 2},
             "runtime": {"agents": 1},
         }

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from aggregator_service.blobs import MIN_KEPT, BlobStore
-from fairfl import codec
+from fairfl import codec, fetch, framing
 from fairfl.config import ConfigError, experiment_from_dict
+from fairfl.framing import CHUNK_BYTES
 from fairfl.params import PAYLOAD_DTYPES, ParamLayout
 from fairfl.protocol import TRAIN, UPDATE, ClientResult, ResultAssembler, encode_result, parse_result_chunk
-from fairfl.rpc import CHUNK_BYTES
 from fairfl.v1 import federation_pb2, tensor_pb2
 
 torch.set_num_threads(1)
@@ -126,12 +126,12 @@ def test_pool_keeps_at_most_max_buffers_and_small_sizes_are_plain() -> None:
 def test_framed_data_is_the_protobuf_encoding(size: int) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     views = [memoryview(data)[: size // 3], memoryview(data)[size // 3 :]]
-    framed = codec.framed_data(views)
+    framed = framing.framed_data(views)
     assert framed.data == tensor_pb2.Chunk(data=data).SerializeToString()
     assert framed.data == federation_pb2.ResultChunk(data=data).SerializeToString()
-    assert framed.ByteSize() == len(framed.data) and codec.serialize(framed) == framed.data
-    parsed = codec.chunk_parser(tensor_pb2.Chunk)(framed.data)
-    assert isinstance(parsed, codec.DataChunk) and parsed.WhichOneof("part") == "data"
+    assert framed.ByteSize() == len(framed.data) and framing.serialize(framed) == framed.data
+    parsed = framing.chunk_parser(tensor_pb2.Chunk)(framed.data)
+    assert isinstance(parsed, framing.DataChunk) and parsed.WhichOneof("part") == "data"
     assert bytes(parsed.data) == data and parsed.ByteSize() == len(framed.data)
 
 
@@ -140,8 +140,8 @@ def test_parser_leaves_everything_but_a_lone_data_field_to_protobuf() -> None:
     data = tensor_pb2.Chunk(data=b"xyz").SerializeToString()
     trailer = federation_pb2.ResultChunk(trailer=federation_pb2.ResultTrailer(sha256="b" * 64)).SerializeToString()
     for raw in (header, data + header, data + b"\x00", data[:-1], b"\x12\xff\xff", b"", trailer):
-        assert codec.data_view(raw) is None, raw
-    parse = codec.chunk_parser(tensor_pb2.Chunk)
+        assert framing.data_view(raw) is None, raw
+    parse = framing.chunk_parser(tensor_pb2.Chunk)
     assert parse(header).header.total_bytes == 3
     assert parse(data + header).WhichOneof("part") == "header"  # protobuf semantics: the last oneof field wins
     assert parse_result_chunk(trailer).trailer.sha256 == "b" * 64
@@ -181,11 +181,11 @@ def test_bundle_range_outside_the_payload_is_refused(offset: int, length: int) -
 
 
 def test_segments_are_whole_chunks_covering_the_payload() -> None:
-    for total in (1, CHUNK_BYTES, 3 * codec.SEGMENT_BYTES + 5, 64 * 1024**3):
-        segments = codec.plan_segments(total)
+    for total in (1, CHUNK_BYTES, 3 * fetch.SEGMENT_BYTES + 5, 64 * 1024**3):
+        segments = fetch.plan_segments(total)
         assert segments[0][0] == 0 and sum(n for _, n in segments) == total
         assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(segments))
-        assert all(n % CHUNK_BYTES == 0 for _, n in segments[:-1]) and len(segments) <= codec.MAX_SEGMENTS
+        assert all(n % CHUNK_BYTES == 0 for _, n in segments[:-1]) and len(segments) <= fetch.MAX_SEGMENTS
 
 
 class _Server:
@@ -225,7 +225,7 @@ class _Call:
 
 def _fetch(server: _Server, streams: int = 3, check=lambda header: None) -> tuple[tensor_pb2.BundleHeader, np.ndarray]:
     b = server.bundle
-    return codec.fetch_ranges(server.open, b.total_bytes, b.sha256, check, streams=streams, segment_bytes=65_536)
+    return fetch.fetch_ranges(server.open, b.total_bytes, b.sha256, check, streams=streams, segment_bytes=65_536)
 
 
 @pytest.mark.parametrize("streams", [1, 2, 5])
@@ -342,13 +342,13 @@ def test_fetch_ranges_checks_the_header_and_cancels_the_other_streams() -> None:
     broken = Broken(bundle)
     with pytest.raises(ConnectionError, match="the stream broke"):
         _fetch(broken, 4)
-    assert len(broken.calls) < len(codec.plan_segments(bundle.total_bytes, 65_536))  # the others stopped early
+    assert len(broken.calls) < len(fetch.plan_segments(bundle.total_bytes, 65_536))  # the others stopped early
 
 
 def test_fetch_ranges_refuses_a_blob_over_the_limit() -> None:
     bundle = _bundle()
     with pytest.raises(codec.CodecError, match="exceeds the limit") as refused:
-        codec.fetch_ranges(
+        fetch.fetch_ranges(
             _Server(bundle).open, bundle.total_bytes, bundle.sha256, lambda h: None, max_bytes=1000, streams=3
         )
     assert refused.value.reason == "size"
@@ -418,7 +418,7 @@ def _result(layout: ParamLayout, values: torch.Tensor | None = None) -> ClientRe
 
 
 def _assemble(parts: list, layout: ParamLayout) -> ClientResult:
-    raws = [codec.serialize(p) for p in parts]
+    raws = [framing.serialize(p) for p in parts]
     first = parse_result_chunk(raws[0])
     assembler = ResultAssembler(first.header, layout)
     for raw in raws[1:]:
@@ -434,9 +434,9 @@ def test_result_roundtrips_with_trailer_and_framing(layout: ParamLayout, trailer
     parts = list(encode_result(result, layout, chunk_bytes=1000, sha256_in_trailer=trailer, framed=framed))
     header = parts[0].header
     assert header.sha256_in_trailer == trailer and (header.sha256 == "") == trailer
-    assert (parse_result_chunk(codec.serialize(parts[-1])).WhichOneof("part") == "trailer") == trailer
+    assert (parse_result_chunk(framing.serialize(parts[-1])).WhichOneof("part") == "trailer") == trailer
     plain = [c.SerializeToString() for c in encode_result(result, layout, chunk_bytes=1000)]
-    data = [codec.serialize(p) for p in parts[1 : len(parts) - trailer]]
+    data = [framing.serialize(p) for p in parts[1 : len(parts) - trailer]]
     assert data == plain[1:]  # the data chunks are the same bytes whichever way they were made
     got = _assemble(parts, layout)
     assert torch.equal(got.payloads[UPDATE], result.payloads[UPDATE])

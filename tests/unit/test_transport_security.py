@@ -18,20 +18,14 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client_agent.agent import parse_client_ids
-from fairfl import cli, codec, rpc, telemetry, tls
-from fairfl.rpc import (
-    CHUNK_BYTES,
-    AccessPolicy,
-    IdleWatch,
-    InFlight,
-    RateLimiter,
-    ServerLimits,
-    TransportSecurity,
-    add_transport_arguments,
-    security_from_args,
-    server_limits,
-    start_server,
-)
+from fairfl import codec, telemetry, tls
+from fairfl.compose import cli
+from fairfl.rpc import CHUNK_BYTES
+from fairfl.rpc_channel import open_channel
+from fairfl.rpc_guard import AccessPolicy, IdleWatch, InFlight, RateLimiter, ServerLimits, server_limits
+from fairfl.rpc_refusals import refuse
+from fairfl.rpc_security import TransportSecurity, add_transport_arguments, security_from_args
+from fairfl.rpc_server import start_server
 from fairfl.v1 import tensor_pb2
 
 
@@ -235,7 +229,8 @@ class _PlaintextContext:
 def test_registering_no_client_is_refused_and_counted() -> None:
     import grpc
 
-    from aggregator_service.federation import FederationServicer, FederationState
+    from aggregator_service.federation.servicer import FederationServicer
+    from aggregator_service.federation.state import FederationState
     from fairfl import telemetry
     from fairfl.v1 import federation_pb2
 
@@ -255,7 +250,7 @@ def test_registering_no_client_is_refused_and_counted() -> None:
     assert refused() == before + 1 and not state.agents
 
 
-# -- the access guard's limits (fairfl.rpc) ----------------------------------------------------------------------------
+# -- the access guard's limits (fairfl.rpc_guard) ----------------------------------------------------------------------
 
 
 def test_server_limits_leave_room_for_other_callers_and_for_refusals() -> None:
@@ -329,7 +324,7 @@ def _guard_service(server: grpc.Server) -> list[str]:
         if request.service == "missing":
             context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
         if request.service == "forged":
-            rpc.refuse(context, GUARD, "identity", grpc.StatusCode.PERMISSION_DENIED, "not yours")
+            refuse(context, GUARD, "identity", grpc.StatusCode.PERMISSION_DENIED, "not yours")
         return Rep(status=Rep.SERVING)
 
     def upload(requests: Iterator[Req], context: grpc.ServicerContext) -> Rep:
@@ -372,7 +367,7 @@ def test_guard_refuses_unreadable_messages_and_counts_every_refusal_once() -> No
     running = start_server("127.0.0.1:0", _guard_service, max_workers=4)
     before = {r: _refused(r) for r in ("malformed", "size", "not_found", "identity", "permission_denied")}
     try:
-        with rpc.open_channel(f"127.0.0.1:{running.port}") as channel:
+        with open_channel(f"127.0.0.1:{running.port}") as channel:
             raw = channel.unary_unary(f"/{GUARD}/Unary")  # no serializers: the bytes travel as they are
             upload = channel.stream_unary(f"/{GUARD}/Upload")
             garbage = b"\x0f" + bytes(range(40))  # field 1 with wire type 7: no protobuf parser accepts it
@@ -411,7 +406,7 @@ def test_guard_caps_a_caller_cancels_idle_calls_and_keeps_health_answering() -> 
 
     idle_before, busy_before = _refused("idle"), _refused("concurrency")
     try:
-        with rpc.open_channel(f"127.0.0.1:{running.port}") as channel:
+        with open_channel(f"127.0.0.1:{running.port}") as channel:
             upload = channel.stream_unary(f"/{GUARD}/Upload")
             started = time.monotonic()
             streams = [upload.future(silent(), timeout=10) for _ in range(3)]
@@ -454,7 +449,7 @@ def test_guard_cancels_a_stream_whose_caller_stops_reading_and_caps_health_watch
     running = start_server("127.0.0.1:0", _guard_service, max_workers=8, policy=AccessPolicy(idle_timeout=0.5))
     idle_before = _refused("idle")
     try:
-        with rpc.open_channel(f"127.0.0.1:{running.port}") as channel:
+        with open_channel(f"127.0.0.1:{running.port}") as channel:
             download = channel.unary_stream(f"/{GUARD}/Download")(Req().SerializeToString(), timeout=30)
             assert len(tensor_pb2.Chunk.FromString(next(download)).data) == 1024 * 1024  # then it reads no more
             assert running.guard is not None

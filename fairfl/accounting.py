@@ -1,5 +1,8 @@
 """Privacy accounting for Poisson-subsampled Gaussian mechanisms, as pure functions over Google's dp_accounting.
 
+On the ground floor because both sides compute with it: the privacy service's ledger enforces budgets with it, and
+the aggregator plans a DP run with it (the rounds a budget affords, refusing an unaccountable run before round 1).
+
 An event is `count` compositions of PoissonSampledDpEvent(q, GaussianDpEvent(σ)) with add/remove-one adjacency
 (seed-fedfdp §2.1); q == 1 is the plain Gaussian. No RDP formula is written here: per-step RDP curves come from
 dp_accounting's RdpAccountant and the RDP → (ε, δ) conversion from its `compute_epsilon`; PLD uses its PLDAccountant.

@@ -25,8 +25,9 @@ from typing import TextIO
 import grpc
 
 from fairfl import tls as certs
-from fairfl.rpc import TransportSecurity, open_channel, wait_for_serving
-from fairfl.telemetry import parse_announcement
+from fairfl.announce import parse_announcement
+from fairfl.rpc_channel import open_channel, wait_for_serving
+from fairfl.rpc_security import TransportSecurity
 
 STARTUP_TIMEOUT_S = 60.0
 

@@ -8,9 +8,10 @@ import torch
 
 from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
-from client_agent.trainer import ClientRuntime, load_run_data, resolve_device
+from client_agent.trainer import ClientRuntime, resolve_device
 from fairfl.codec import CodecError
 from fairfl.config import ExperimentConfig
+from fairfl.data import load_run_data
 from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult, as_received, check_against_task, check_result
 from fairfl.v1 import federation_pb2, tensor_pb2

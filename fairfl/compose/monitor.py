@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 PROMETHEUS_DIR = DEPLOY_DIR / "prometheus"
 GRAFANA_DIR = DEPLOY_DIR / "grafana"
 JOBS = ("aggregator", "clustering", "privacy", "agent")

@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from fairfl.compare import add_compare_parser
+from fairfl.compose.compare import add_compare_parser
+from fairfl.compose.results import RunRecorder
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
-from fairfl.results import RunRecorder
-from fairfl.rpc import TransportSecurity, add_transport_arguments
+from fairfl.rpc_security import TransportSecurity, add_transport_arguments
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -29,8 +29,9 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) -> None:
     from aggregator_service.engine import RoundEngine
-    from aggregator_service.inprocess import InProcessTransport
-    from aggregator_service.peers import LocalPrivacy, LocalSelector
+    from fairfl.compose.inprocess import InProcessTransport
+    from fairfl.compose.local_privacy import LocalPrivacy
+    from fairfl.compose.local_selection import LocalClusterer, LocalSelector
 
     engine = RoundEngine(
         run_id,
@@ -39,6 +40,7 @@ def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) 
         LocalSelector(config.selection.method),
         LocalPrivacy(),
         recorder,
+        clusterer=LocalClusterer(),
     )
     if config.runtime.checkpoint_dir:  # checkpoints are written as by the aggregator (resuming needs the service)
         from aggregator_service.checkpoint import RunCheckpointer, run_directory
@@ -92,9 +94,9 @@ def run_grpc(
     """Run over gRPC; with `monitor`, a local Prometheus scrapes every process, and `after_run` is called while the
     services (and Prometheus) are still up. The processes this starts talk mutual TLS (an ephemeral CA in
     out_dir/tls) unless `tls` is False; a running `aggregator` is reached with `security` (None: plaintext)."""
-    from fairfl.launcher import LocalCluster
-    from fairfl.monitor import Prometheus, describe
-    from fairfl.rpc import open_channel
+    from fairfl.compose.launcher import LocalCluster
+    from fairfl.compose.monitor import Prometheus, describe
+    from fairfl.rpc_channel import open_channel
     from fairfl.v1 import control_pb2, control_pb2_grpc
 
     cluster = LocalCluster(out_dir / "logs", tls=tls and not aggregator, tls_dir=out_dir / "tls")
@@ -175,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     security = None
     if args.aggregator:  # a running deployment: its CA and an operator identity, or an explicit --insecure
-        from fairfl.rpc import security_from_args
+        from fairfl.rpc_security import security_from_args
 
         try:
             security = security_from_args(args)
@@ -183,7 +185,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     if args.monitor:
-        from fairfl.monitor import INSTALL_HINT, prometheus_binary
+        from fairfl.compose.monitor import INSTALL_HINT, prometheus_binary
 
         if prometheus_binary() is None:
             print(f"error: --monitor needs Prometheus: {INSTALL_HINT}", file=sys.stderr)

@@ -1,0 +1,185 @@
+"""FairFL's own pieces of the local-training loop: each algorithm's client-side behaviour as a LocalProcedure.
+
+The task's typed fields choose them (prox_mu, alignment, fair_step, want_activation, record_first_step,
+want_bias_update); `builtin_pieces` builds them in the loop's fixed order, ahead of the task's user procedures.
+Each keeps the arithmetic, and its order, of the branch of the former single training function it replaces, so the
+built-in algorithms train bit for bit as before.
+
+The model head (penultimate features, output layer, its bias) is fairfl.models.model_head's: a model's declared
+`features(x)` and `classifier`, else its last nn.Linear.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fairfl.models import model_head
+from fairfl.params import ParamLayout, flatten_on_device, to_host
+from fairfl.procedure import LocalProcedure, LocalState
+from fairfl.protocol import FIRST_STEP_UPDATE, ClientResult
+from fairfl.v1 import federation_pb2, tensor_pb2
+
+EVAL_BATCH = 2048  # samples per forward pass of an evaluation (no gradients): bounds activation memory
+
+
+class ProximalTerm(LocalProcedure):
+    """FedProx: the objective gains (μ/2)·‖w − x_t‖²."""
+
+    @dataclass(frozen=True)
+    class Params:
+        mu: float = 0.0
+
+    def begin(self, state: LocalState) -> None:
+        self.anchor = [p.detach().clone() for p in state.params]
+
+    def objective(self, state: LocalState, loss: torch.Tensor) -> torch.Tensor:
+        prox = sum(((p - a) ** 2).sum() for p, a in zip(state.params, self.anchor, strict=True))
+        return loss + 0.5 * self.params.mu * prox
+
+
+class GradientAlignment(LocalProcedure):
+    """FedEBA+ gradient alignment: g ← (1 − α)·g + α·∇f̃ (the server's fair gradient, in the model's layout)."""
+
+    @dataclass(frozen=True)
+    class Params:
+        alpha: float = 0.0
+
+    def __init__(self, params: Params, fair_gradient: list[torch.Tensor]) -> None:
+        super().__init__(params)
+        self.fair_gradient = fair_gradient
+
+    def after_backward(self, state: LocalState) -> None:
+        alpha = self.params.alpha
+        for p, g in zip(state.params, self.fair_gradient, strict=True):
+            p.grad.mul_(1.0 - alpha).add_(g, alpha=alpha)
+
+
+class FairStep(LocalProcedure):
+    """FedFair Eq. 11: η_i = η·(1 + λ·(F_i(w, b) − F)) from this batch's loss (the step size is a host number, so it
+    reads the loss every step: the one per-step wait for the device left)."""
+
+    @dataclass(frozen=True)
+    class Params:
+        fair_lambda: float = 0.0
+        global_loss: float = 0.0
+
+    def step_lr(self, state: LocalState, loss: torch.Tensor) -> float | None:
+        fair_lambda, global_loss = self.params.fair_lambda, self.params.global_loss
+        return state.base_lr * max(0.0, 1.0 + fair_lambda * (float(loss.detach()) - global_loss))
+
+
+class FirstStep(LocalProcedure):
+    """FedEBA+ model alignment: releases x_{t,1} − x_t as the FIRST_STEP_UPDATE payload."""
+
+    first: torch.Tensor | None = None
+
+    def after_step(self, state: LocalState) -> None:
+        if state.step == 0:
+            self.first = flatten_on_device(state.model) - state.x0
+
+    def finish(self, state: LocalState, result: ClientResult) -> None:
+        if self.first is not None:
+            result.payloads[FIRST_STEP_UPDATE] = to_host(self.first)
+
+
+class BiasCapture(LocalProcedure):
+    """HiCS-FL's signature: the output-layer bias part of the update."""
+
+    def __init__(self, layout: ParamLayout, bias_name: str) -> None:
+        super().__init__()
+        self.layout, self.bias_name = layout, bias_name
+
+    def finish(self, state: LocalState, result: ClientResult) -> None:
+        assert state.update is not None
+        offset = 0
+        for name, size in zip(self.layout.names, self.layout.sizes, strict=True):
+            if name == self.bias_name:
+                result.bias_update = state.update[offset : offset + size].double().cpu().numpy()
+            offset += size
+
+
+class ActivationCapture(LocalProcedure):
+    """Equitable-FL's activation vector (seed-equitable.md §1.4) from the penultimate layer's output h over the
+    samples of the last local epoch's steps (a step budget: its last epoch's worth of steps), each at the model state
+    of its own forward pass, so it costs no extra forward pass. final_epoch_mean (the spec's default) averages
+    log_softmax(h), log_softmax_of_mean averages h; eval_pass runs its own pass after training."""
+
+    @dataclass(frozen=True)
+    class Params:
+        mode: int = federation_pb2.ACTIVATION_MODE_FINAL_EPOCH_MEAN
+
+        def validate(self, path: str) -> None:
+            if self.mode not in federation_pb2.ActivationMode.values():
+                raise ValueError(f"unknown activation_mode {self.mode}")
+
+    def begin(self, state: LocalState) -> None:
+        n, steps = len(state.y_train), state.steps
+        window = self.params.mode != federation_pb2.ACTIVATION_MODE_EVAL_PASS
+        self.start = steps - min(steps, math.ceil(n / state.batch_size)) if window else steps
+        self.total = torch.zeros(state.head.feature_dim, dtype=torch.float64, device=state.device)
+        self.count = 0
+
+    def wants_features(self, state: LocalState) -> bool:
+        return state.step >= self.start
+
+    def after_forward(self, state: LocalState) -> None:
+        if state.features is None:
+            return
+        hidden = state.features.detach()
+        if self.params.mode == federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN:
+            self.total += hidden.sum(0, dtype=torch.float64)
+        else:
+            self.total += F.log_softmax(hidden, dim=1).sum(0, dtype=torch.float64)
+        self.count += len(hidden)
+
+    def finish(self, state: LocalState, result: ClientResult) -> None:
+        result.activation = self._vector(state).cpu().numpy()
+
+    @torch.no_grad()
+    def _vector(self, state: LocalState) -> torch.Tensor:
+        mode = self.params.mode
+        if mode == federation_pb2.ACTIVATION_MODE_EVAL_PASS:
+            x = state.x_train
+            state.model.eval()
+            total = torch.zeros_like(self.total)
+            for start in range(0, len(x), EVAL_BATCH):
+                hidden = state.head.features(x[start : start + EVAL_BATCH])
+                total += F.log_softmax(hidden, dim=1).sum(0, dtype=torch.float64)
+            return total / len(x)
+        if mode == federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN:
+            return F.log_softmax(self.total / self.count, dim=0)
+        return self.total / self.count
+
+
+def builtin_pieces(
+    cfg: federation_pb2.LocalTrainingConfig,
+    model: nn.Module,
+    layout: ParamLayout,
+    fetch: Callable[[tensor_pb2.BlobRef], torch.Tensor],
+) -> list[LocalProcedure]:
+    """The pieces the task's typed fields ask for, in the loop's order. `fetch` resolves a blob (the fair gradient)
+    to a flat vector on the device."""
+    pieces: list[LocalProcedure] = []
+    if cfg.prox_mu > 0:
+        pieces.append(ProximalTerm(ProximalTerm.Params(cfg.prox_mu)))
+    if cfg.HasField("alignment"):
+        fair_gradient = [t for _, t in layout.split(fetch(cfg.alignment.fair_gradient))]
+        pieces.append(GradientAlignment(GradientAlignment.Params(cfg.alignment.alpha), fair_gradient))
+    if cfg.HasField("fair_step"):
+        pieces.append(FairStep(FairStep.Params(cfg.fair_step.fair_lambda, cfg.fair_step.global_loss)))
+    if cfg.record_first_step:
+        pieces.append(FirstStep())
+    if cfg.want_bias_update:
+        head = model_head(model, "train.want_bias_update (HiCS-FL's signature)", need_bias=True)
+        pieces.append(BiasCapture(layout, head.bias_name))
+    if cfg.want_activation:
+        params = ActivationCapture.Params(cfg.activation_mode)
+        params.validate("train.activation_mode")
+        pieces.append(ActivationCapture(params))
+    return pieces

@@ -1,0 +1,326 @@
+"""The comparison report: Markdown table and page, CSV, JSON and two plots, built from a ComparisonResult."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fairfl.compose.compare.spec import PAPER_METRICS
+from fairfl.compose.compare.summary import (
+    EXTRA_METRICS,
+    SEED_METRICS,
+    AlgorithmSummary,
+    ComparisonResult,
+    SeedSummary,
+    Stat,
+)
+from fairfl.compose.results import FAIRNESS_COLUMNS
+
+# (key, column heading, decimals) of the Markdown table's measured columns.
+TABLE_METRICS = (
+    ("mean", "Mean acc (%)", 2),
+    ("variance", "Variance (%²)", 2),
+    ("std", "Std (%)", 2),
+    ("worst_5", "Worst 5% (%)", 2),
+    ("best_5", "Best 5% (%)", 2),
+)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _rounds_cell(stat: Stat, seeds: int) -> str:
+    """Rounds to target over the seeds that reached it, saying how many did when not all."""
+    if stat.n == 0:
+        return "not reached"
+    text = stat.format(1)
+    return text if stat.n == seeds else f"{text} ({stat.n}/{seeds} seeds)"
+
+
+def render_table(algorithms: Sequence[AlgorithmSummary], target_accuracy: float | None = None) -> str:
+    """The Markdown comparison table; paper columns appear when any algorithm has paper numbers, the rounds-to-target
+    column when the comparison names a target accuracy."""
+    with_paper = any(a.paper for a in algorithms)
+    extras = [
+        (k, h, f) for k, h, f in EXTRA_METRICS if k != "rounds_to_target" and any(a.metrics[k].n for a in algorithms)
+    ]
+    if target_accuracy is not None:
+        extras.append(("rounds_to_target", f"Rounds to {target_accuracy:g}% mean acc", "f1"))
+    paper_cols = [(k, h) for k, h, _ in TABLE_METRICS]
+    if any("psi" in a.paper for a in algorithms):
+        paper_cols.append(("psi", "Ψ"))
+    head = ["Algorithm", "Seeds", *(h for _, h, _ in TABLE_METRICS), *(h for _, h, _ in extras)]
+    head.append("Wall time / run (s)")
+    if with_paper:
+        head += [f"Paper: {h}" for _, h in paper_cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
+    for a in algorithms:
+        seeds = ", ".join(map(str, a.seeds)) or "none"
+        if a.failed_seeds:
+            seeds += f" (failed: {', '.join(map(str, a.failed_seeds))})"
+        row = [_cell(a.label), seeds, *(a.metrics[k].format(d) for k, _, d in TABLE_METRICS)]
+        row += [
+            _rounds_cell(a.metrics[k], len(a.seeds)) if k == "rounds_to_target" else a.metrics[k].format_as(f)
+            for k, _, f in extras
+        ]
+        row.append(a.metrics["wall_seconds"].format(1))
+        if with_paper:
+            row += [str(a.paper[k]) if k in a.paper else "—" for k, _ in paper_cols]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _num(value: float | None) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return "" if value is None or math.isnan(value) else repr(float(value))
+
+
+def render_csv(algorithms: Sequence[AlgorithmSummary], runs: Sequence[SeedSummary]) -> str:
+    """One row per (algorithm, seed) with every final metric and wall time, then one aggregate row per algorithm.
+
+    Seed rows carry the values exactly as in results.json; aggregate rows carry the mean over seeds in the metric
+    columns, the population std in the *_std columns and the paper's numbers in the paper_* columns.
+    """
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    paper_cols = [f"paper_{k}" for k in PAPER_METRICS] + [f"paper_{k}_spread" for k in PAPER_METRICS]
+    writer.writerow(
+        ["algorithm", "row", "seed", "final_round", *SEED_METRICS, *(f"{k}_std" for k in SEED_METRICS), *paper_cols]
+    )
+    blank = [""] * len(SEED_METRICS)
+    for a in algorithms:
+        for r in (r for r in runs if r.label == a.label):
+            values = [_num(r.final_fairness.get(k)) for k in FAIRNESS_COLUMNS]
+            values += [_num(r.extra.get(k)) for k, _, _ in EXTRA_METRICS] + [_num(r.wall_seconds)]
+            writer.writerow([a.label, "seed", r.seed, r.final_round, *values, *blank, *[""] * len(paper_cols)])
+        paper = [_num(a.paper[k].value) if k in a.paper else "" for k in PAPER_METRICS]
+        paper += [_num(a.paper[k].spread) if k in a.paper else "" for k in PAPER_METRICS]
+        writer.writerow(
+            [
+                a.label,
+                "aggregate",
+                " ".join(map(str, a.seeds)),
+                "",
+                *(_num(a.metrics[k].mean) for k in SEED_METRICS),
+                *(_num(a.metrics[k].std) for k in SEED_METRICS),
+                *paper,
+            ]
+        )
+    return out.getvalue()
+
+
+def machine_description() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # the header is informational only
+        pass
+    return info
+
+
+def _display_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def render_markdown(result: ComparisonResult, command_line: str, machine: dict[str, Any] | None = None) -> str:
+    spec = result.spec
+    machine = machine or machine_description()
+    shared = ", ".join(f"{k}={v}" for k, v in spec.overrides.items()) or "none"
+    hw = f"{machine['platform']}, {machine['cpus']} CPUs"
+    if machine.get("cuda"):
+        hw += f", GPU {machine['cuda']}"
+    lines = [
+        f"# Comparison: {spec.name}",
+        "",
+        f"- Command: `{command_line}`",
+        f"- Date: {result.started.isoformat(timespec='seconds')} ({result.wall_seconds:.0f} s in all)",
+        f"- Machine: {hw}; Python {machine['python']}" + (f", torch {machine['torch']}" if "torch" in machine else ""),
+        f"- Base config: `{_display_path(spec.base)}`; shared overrides: {shared}",
+        f"- Transport: {result.transport}; {result.jobs} run(s) at a time",
+        "",
+        "Measured values are the final evaluated round over every client's own test split, as mean ± population std "
+        "over seeds (a plain value for one seed). Accuracies in %, variance in %² (population variance over clients). "
+        "Wall time is the run's own (results.json wall_seconds, without process start-up).",
+    ]
+    if any(r.paper for r in spec.runs):
+        source = spec.paper_source or "the paper (source not named)"
+        lines.append(f'Columns labelled "Paper" are the numbers reported in {source}, not measured here.')
+    if any(r.extra.get("psi") is not None or r.extra.get("epsilon") is not None for r in result.runs):
+        lines.append(
+            "Ψ is FedFDP's fairness measure as its reference code reports it: the p-weighted variance of the clients' "
+            "losses on their own training data after local training (strategy metric `psi`; experiment telemetry, not "
+            "a DP release). Ψ_test is Eq. 7 on the final global model: the variance of the clients' test losses, "
+            "weighted by test samples. ε spent is what the privacy ledger recorded after the final round: the largest "
+            "over principals (clients, or the federation), recomputed from the stored events."
+        )
+    if any(r.extra.get("nmi") is not None for r in result.runs):
+        lines.append(
+            "NMI compares the clusters a strategy found each round (Equitable-FL's spectral clustering of the round's "
+            "participants) with the partition's true groups (sklearn normalized_mutual_info_score): the mean over all "
+            "rounds, and over the rounds whose participants covered every true group."
+        )
+    if spec.target_accuracy is not None:
+        lines.append(
+            f"Rounds to {spec.target_accuracy:g}%: the first evaluated round whose mean client accuracy reached it, "
+            "mean ± std over the seeds that reached it (how many did, when not all)."
+        )
+    lines += ["", render_table(result.algorithms(), spec.target_accuracy)]
+    if any(r.extra.get("epsilon") is not None for r in result.runs):
+        lines += ["", "Per run:", ""]
+        lines.append("| Algorithm | Seed | Final round | Mean acc (%) | Ψ (final round) | ε spent (ledger) |")
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for r in result.runs:
+            psi, eps, acc = r.extra.get("psi"), r.extra.get("epsilon"), r.final_fairness.get("mean")
+            lines.append(
+                f"| {_cell(r.label)} | {r.seed} | {r.final_round} | {'—' if acc is None else f'{acc:.2f}'} | "
+                f"{'—' if psi is None else f'{psi:.3e}'} | {'—' if eps is None else f'{eps:.4f}'} |"
+            )
+    if result.failures:
+        lines += ["", "## Failed runs", ""]
+        for f in result.failures:
+            lines += [f"- {f.label}, seed {f.seed}: exit code {f.exit_code}; log `{f.log_path}`", "", "```"]
+            lines += [f.log_tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _json_num(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else value
+
+
+def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, Any]) -> dict[str, Any]:
+    spec = result.spec
+    return {
+        "name": spec.name,
+        "command": command_line,
+        "date": result.started.isoformat(timespec="seconds"),
+        "wall_seconds": round(result.wall_seconds, 3),
+        "machine": machine,
+        "source": str(spec.source) if spec.source else None,
+        "base": str(spec.base),
+        "set": spec.overrides,
+        "transport": result.transport,
+        "jobs": result.jobs,
+        "paper_source": spec.paper_source,
+        "target_accuracy": spec.target_accuracy,
+        "algorithms": [
+            {
+                "label": a.label,
+                "set": run.overrides,
+                "seeds": a.seeds,
+                "failed_seeds": a.failed_seeds,
+                "metrics": {
+                    k: {"mean": _json_num(s.mean), "std": _json_num(s.std), "n": s.n} for k, s in a.metrics.items()
+                },
+                "paper": {k: {"value": v.value, "spread": v.spread} for k, v in a.paper.items()},
+                "variance_by_round": [[r, _json_num(m), _json_num(s)] for r, m, s in a.variance_by_round],
+            }
+            for a, run in zip(result.algorithms(), spec.runs, strict=True)
+        ],
+        "runs": [
+            {
+                "label": r.label,
+                "seed": r.seed,
+                "output_dir": r.output_dir,
+                "final_round": r.final_round,
+                "wall_seconds": r.wall_seconds,
+                "final_fairness": r.final_fairness,
+                "client_accuracies": r.client_accuracies,
+                "extra": r.extra,
+                "variance_by_round": r.variance_by_round,
+            }
+            for r in result.runs
+        ],
+        "failures": [vars(f) for f in result.failures],
+    }
+
+
+def plot_accuracy_distribution(result: ComparisonResult, path: Path) -> None:
+    """Box plot of per-client final test accuracy per algorithm, pooled over that algorithm's seeds."""
+    import numpy as np
+    from matplotlib.figure import Figure  # Figure renders through Agg by itself: no pyplot, no display
+
+    algos = [a for a in result.spec.runs if any(r.label == a.label for r in result.runs)]
+    data = [[acc for r in result.runs if r.label == a.label for acc in r.client_accuracies] for a in algos]
+    fig = Figure(figsize=(max(6.0, 1.4 * len(algos) + 2), 4.8), layout="constrained")
+    ax = fig.add_subplot()
+    if data:
+        ax.boxplot(data, showmeans=True, showfliers=False)
+        rng = np.random.default_rng(0)  # fixed jitter: the same report draws the same picture
+        for i, values in enumerate(data, start=1):
+            ax.scatter(i + rng.uniform(-0.15, 0.15, len(values)), values, s=8, alpha=0.35, color="tab:gray")
+        ax.set_xticks(range(1, len(algos) + 1), [a.label for a in algos], rotation=20, ha="right")
+    ax.set_ylabel("client test accuracy (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(
+        f"{result.spec.name}\nper-client final test accuracy, pooled over all seeds (dots: clients, ▲: mean)",
+        fontsize=10,
+    )
+    ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path, dpi=120)
+
+
+def plot_variance_over_rounds(result: ComparisonResult, path: Path) -> None:
+    """Variance of client accuracy at every evaluated round, mean over seeds (band: ± std over seeds)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7.0, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for a in result.algorithms():
+        if not a.variance_by_round:
+            continue
+        rounds = [r for r, _, _ in a.variance_by_round]
+        mean = [m for _, m, _ in a.variance_by_round]
+        (line,) = ax.plot(rounds, mean, marker="o", markersize=3, label=f"{a.label} ({_plural(len(a.seeds), 'seed')})")
+        if len(a.seeds) > 1:
+            lo = [m - s for _, m, s in a.variance_by_round]
+            hi = [m + s for _, m, s in a.variance_by_round]
+            ax.fill_between(rounds, lo, hi, color=line.get_color(), alpha=0.15)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("variance of client accuracy (%²)")
+    ax.set_title(
+        f"{result.spec.name}\nvariance of client test accuracy per round, mean over seeds (band: ± std over seeds)",
+        fontsize=10,
+    )
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def write_report(result: ComparisonResult, output_dir: Path, command_line: str) -> str:
+    """Write comparison.md/.csv/.json and the two plots; return the Markdown table."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    machine = machine_description()
+    algorithms = result.algorithms()
+    (output_dir / "comparison.md").write_text(render_markdown(result, command_line, machine))
+    (output_dir / "comparison.csv").write_text(render_csv(algorithms, result.runs))
+    report = report_dict(result, command_line, machine)
+    (output_dir / "comparison.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    plot_accuracy_distribution(result, output_dir / "accuracy_distribution.png")
+    plot_variance_over_rounds(result, output_dir / "variance_over_rounds.png")
+    return render_table(algorithms, result.spec.target_accuracy)
