@@ -28,10 +28,11 @@ from aggregator_service.dp import DpController
 from aggregator_service.selection import SelectionDriver, Selector
 from fairfl import codec
 from fairfl.config import ConfigError, ExperimentConfig
+from fairfl.data import run_signature
 from fairfl.data.groups import client_groups
 from fairfl.fold import ResultFold
 from fairfl.metrics.fairness import fairness_report
-from fairfl.models import build_run_model, model_head
+from fairfl.models import build_run_model, require_signatures
 from fairfl.params import ParamLayout, flatten_parameters
 from fairfl.privacy import dp_seed
 from fairfl.protocol import EVALUATE, PROBE, ClientResult
@@ -60,13 +61,25 @@ def task_id(key: bytes, run_id: str, round_number: int, phase_index: int, client
     return hmac.new(key, message, hashlib.sha256).hexdigest()[:TASK_ID_HEX]
 
 
-def initial_model(config: ExperimentConfig, head_for: str | None = None) -> tuple[ParamLayout, torch.Tensor]:
-    """The run's initial model, flat. `head_for` (who needs it): the model must expose its output layer and
-    penultimate features (fairfl.models.model_head), checked here, before round 1, not on the clients mid-run."""
+def initial_model(config: ExperimentConfig, needs: dict[str, str] | None = None) -> tuple[ParamLayout, torch.Tensor]:
+    """The run's initial model, flat. `needs` maps each client signature the run collects ("bias_update",
+    "activation") to who declared it; the model must be able to give them (fairfl.models.require_signatures),
+    checked here, before round 1, not on the clients mid-run."""
     model = build_run_model(config)  # from the dataset plug-in's declared signature: the server holds no data
-    if head_for is not None:
-        model_head(model, purpose=head_for)
+    if needs:
+        require_signatures(model, run_signature(config), needs)
     return ParamLayout.of(model), flatten_parameters(model)
+
+
+def signature_needs(config: ExperimentConfig) -> dict[str, str]:
+    """The client signatures the run's strategy and sampler declare, each with who declared it."""
+    needs = {
+        name: f"selection.method {config.selection.method}"
+        for name in config.selection.sampler_class().client_signatures
+    }
+    strategy = load_strategy(config.strategy.name)
+    needs.update({name: f"strategy.name {config.strategy.name}" for name in strategy.client_signatures})
+    return needs
 
 
 def task_seed(run_seed: int, round_number: int, client_id: int) -> int:
@@ -187,10 +200,8 @@ class RoundEngine:
         self.privacy = privacy
         self.on_event = on_event
         self.stop = stop or threading.Event()
-        # A strategy asking for penultimate activations (its declared client_signatures) needs the model's head.
-        signatures = load_strategy(config.strategy.name).client_signatures
-        activation = f"strategy {config.strategy.name}'s activation signatures" if "activation" in signatures else None
-        self.layout, self.params = initial_model(config, head_for=activation)
+        # The client signatures the strategy and the sampler declare must be ones the model can give.
+        self.layout, self.params = initial_model(config, signature_needs(config))
         # What the selection method needs from rounds (signatures, probes, updates); see aggregator_service.selection.
         self.selection = SelectionDriver(config, selector, self.layout.numel)
         self.strategy: Strategy = build_strategy(

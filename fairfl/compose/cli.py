@@ -27,21 +27,28 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+class RunNotStarted(Exception):
+    """The aggregator or the in-process engine refused to start the run; the message says why."""
+
+
 def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) -> None:
     from aggregator_service.engine import RoundEngine
     from fairfl.compose.inprocess import InProcessTransport
     from fairfl.compose.local_privacy import LocalPrivacy
     from fairfl.compose.local_selection import LocalClusterer, LocalSelector
 
-    engine = RoundEngine(
-        run_id,
-        config,
-        InProcessTransport(device=config.runtime.device, threads=config.runtime.threads_per_agent),
-        LocalSelector(config.selection.method),
-        LocalPrivacy(),
-        recorder,
-        clusterer=LocalClusterer(),
-    )
+    try:
+        engine = RoundEngine(
+            run_id,
+            config,
+            InProcessTransport(device=config.runtime.device, threads=config.runtime.threads_per_agent),
+            LocalSelector(config.selection.method),
+            LocalPrivacy(),
+            recorder,
+            clusterer=LocalClusterer(),
+        )
+    except ConfigError as err:  # what the engine checks before round 1 (e.g. the model's head), as over gRPC
+        raise RunNotStarted(str(err)) from None
     if config.runtime.checkpoint_dir:  # checkpoints are written as by the aggregator (resuming needs the service)
         from aggregator_service.checkpoint import RunCheckpointer, run_directory
 
@@ -94,6 +101,8 @@ def run_grpc(
     """Run over gRPC; with `monitor`, a local Prometheus scrapes every process, and `after_run` is called while the
     services (and Prometheus) are still up. The processes this starts talk mutual TLS (an ephemeral CA in
     out_dir/tls) unless `tls` is False; a running `aggregator` is reached with `security` (None: plaintext)."""
+    import grpc
+
     from fairfl.compose.launcher import LocalCluster
     from fairfl.compose.monitor import Prometheus, describe
     from fairfl.rpc_channel import open_channel
@@ -120,9 +129,14 @@ def run_grpc(
                 print(describe(prometheus, targets), flush=True)
             with open_channel(aggregator, cluster.security if cluster.children else security) as channel:
                 control = control_pb2_grpc.RunControlStub(channel)
-                control.StartRun(
-                    control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30
-                )
+                try:
+                    control.StartRun(
+                        control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30
+                    )
+                except grpc.RpcError as err:  # refused before round 1 (e.g. a model without the signature asked for)
+                    if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                        raise RunNotStarted(err.details()) from None
+                    raise
                 try:
                     # A remote aggregator may restart and resume the run; a local one is not restarted by anyone.
                     follow_run(control, run_id, recorder, reconnect_s=0.0 if cluster.children else 300.0)
@@ -208,21 +222,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.monitor:
             _hold(args.monitor_hold)
 
-    if args.transport == "inprocess":
-        run_inprocess(config, recorder, run_id)
-        finish()
-    else:
-        run_grpc(
-            config,
-            recorder,
-            run_id,
-            out_dir,
-            args.aggregator,
-            monitor=args.monitor,
-            after_run=finish,
-            tls=not args.insecure,
-            security=security,
-        )
+    try:
+        if args.transport == "inprocess":
+            run_inprocess(config, recorder, run_id)
+            finish()
+        else:
+            run_grpc(
+                config,
+                recorder,
+                run_id,
+                out_dir,
+                args.aggregator,
+                monitor=args.monitor,
+                after_run=finish,
+                tls=not args.insecure,
+                security=security,
+            )
+    except RunNotStarted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0 if result.get("state") == "RUN_STATE_COMPLETED" else 1
 
 

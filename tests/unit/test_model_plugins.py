@@ -308,3 +308,23 @@ def test_required_signatures_are_checked_before_round_one() -> None:
 
     with pytest.raises(HeadError, match=r"one penultimate feature vector per sample.*\(1, 2, 2\)"):
         require_signatures(SequenceHead(), signature, {"activation": "strategy equitable"})
+
+
+def no_bias_model(signature: DataSignature) -> nn.Module:
+    """An output layer without a bias: it can give no HiCS-FL signature."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(signature.input_shape), signature.num_classes, bias=False))
+
+
+def test_a_run_whose_sampler_needs_a_signature_the_model_cannot_give_fails_before_round_1() -> None:
+    from aggregator_service.engine import RoundEngine, signature_needs
+
+    config = experiment_from_dict(
+        {
+            "data": {"dataset": "synthetic", "num_clients": 6},
+            "model": {"name": f"{HERE}:no_bias_model"},
+            "selection": {"method": "hics", "clients_per_round": 2},
+        }
+    )
+    assert signature_needs(config) == {"bias_update": "selection.method hics"}
+    with pytest.raises(HeadError, match=r"^model\.name: .*no trainable bias.*selection\.method hics needs it"):
+        RoundEngine("r", config, None, None, None, lambda _e: None)  # type: ignore[arg-type]

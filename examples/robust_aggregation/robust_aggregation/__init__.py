@@ -1,0 +1,1 @@
+"""A user's robust-aggregation strategy for FairFL, named as `robust_aggregation.strategy:CoordinateMedian`."""
