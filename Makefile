@@ -88,4 +88,4 @@ protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/fairfl/v1/*.proto
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .import_linter_cache *.egg-info

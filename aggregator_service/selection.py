@@ -81,7 +81,7 @@ def select_request(sampler: str, context: SelectionContext) -> clustering_pb2.Se
         num_to_select=context.count,
         candidates=context.candidates,
         sampler=sampler,
-        sampler_params=params_to_struct(context.params),
+        sampler_params=params_to_struct(context.params, "selection.params"),
         seed=context.seed,
         candidate_losses=context.losses or [],
         candidate_num_samples=context.num_samples or [],

@@ -28,7 +28,7 @@ from client_agent.trainer import ClientRuntime, resolve_device
 from client_agent.uploads import BUSY_RETRY_PAUSES_S, ResultUploader
 from fairfl import __version__, codec, fetch, framing, telemetry, tls
 from fairfl.announce import announcement
-from fairfl.config import experiment_from_yaml
+from fairfl.config import ConfigError, experiment_from_yaml
 from fairfl.data import load_run_data
 from fairfl.logs import configure_logging
 from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
@@ -94,6 +94,8 @@ class Agent:
         self.uploads = ResultUploader(self.channel, self.stub, tls=self.tls)
         self.agent_id = ""
         self.runtimes: dict[str, ClientRuntime] = {}
+        # Runs this agent cannot take part in (a plug-in it cannot import, data that does not fit): said once.
+        self.unusable: dict[str, str] = {}
         self.models: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.stop = threading.Event()
         telemetry.AGENT_CLIENTS.set(len(client_ids))
@@ -186,14 +188,21 @@ class Agent:
 
     def _runtime(self, run_id: str) -> ClientRuntime:
         runtime = self.runtimes.get(run_id)
+        if run_id in self.unusable:
+            raise RunUnusable(self.unusable[run_id])
         if runtime is None:
             spec = self.stub.GetRunSpec(federation_pb2.RunSpecRequest(run_id=run_id), timeout=SHORT_DEADLINE)
-            config = experiment_from_yaml(spec.experiment_yaml)
-            data = load_run_data(config)
-            hosted = [c for c in self.client_ids if c < data.num_clients]
-            runtime = ClientRuntime(
-                config, data, hosted, self.device, self._fetch_model, self.dp_policy, self.dp_randomness
-            )
+            try:
+                config = experiment_from_yaml(spec.experiment_yaml)
+                data = load_run_data(config)
+                hosted = [c for c in self.client_ids if c < data.num_clients]
+                runtime = ClientRuntime(
+                    config, data, hosted, self.device, self._fetch_model, self.dp_policy, self.dp_randomness
+                )
+            except ConfigError as err:  # e.g. the run names a plug-in this agent's environment cannot import
+                self.unusable = {run_id: str(err)}
+                log.error("run %s cannot run on this agent: %s", run_id, err)
+                raise RunUnusable(str(err)) from None
             self.runtimes = {run_id: runtime}  # one run at a time: drop older runs' data
             self.models.clear()
             self.released.clear()
@@ -206,6 +215,8 @@ class Agent:
         FetchBlob (the task fetches it and fails there if it is really bad)."""
         try:
             runtime = self._runtime(run_id)
+        except RunUnusable:  # said once already
+            return
         except (grpc.RpcError, ValueError) as err:  # the task itself reports this
             log.warning("run %s not prepared for inline models: %s", run_id, err)
             return
@@ -311,6 +322,13 @@ class Agent:
             log.error("task %s refused by this agent's privacy policy: %s", task.task_id, err)
             telemetry.AGENT_TASKS.labels(phase, "failed").inc()
             return
+        except RunUnusable:  # said once, when the run was prepared; its tasks close at their deadline
+            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
+            return
+        except ConfigError as err:  # e.g. a local procedure this agent cannot import: one line, no traceback
+            log.error("task %s cannot run here: %s", task.task_id, err)
+            telemetry.AGENT_TASKS.labels(phase, "failed").inc()
+            return
         except Exception:  # a failing task must not kill the agent; the round closes at its deadline
             log.exception("task %s failed", task.task_id)
             telemetry.AGENT_TASKS.labels(phase, "failed").inc()
@@ -318,6 +336,10 @@ class Agent:
         telemetry.AGENT_TASK_DURATION.labels(phase).observe(time.perf_counter() - started)
         result.agent_id = self.agent_id
         self.uploads.send(task.task_id, phase, result, runtime)
+
+
+class RunUnusable(Exception):
+    """This agent cannot take part in a run (its config names what this environment cannot load); said once."""
 
 
 def _inline_model(blob: federation_pb2.InlineBlob, runtime: ClientRuntime) -> torch.Tensor:

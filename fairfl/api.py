@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fairfl.config import ExperimentConfig
 from fairfl.data.datasets import ArrayDataset
 from fairfl.data.federated import FederatedData
 from fairfl.data.plugin import DATASETS, DataProvider, DataRequest, Dataset
@@ -79,6 +80,7 @@ __all__ = [
     "DataRequest",
     "DataSignature",
     "Dataset",
+    "ExperimentConfig",
     "FederatedData",
     "Head",
     "HeadError",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import yaml
 
@@ -30,11 +30,15 @@ if TYPE_CHECKING:
     from fairfl.sampling import Sampler
 
 DEFAULT_LOCAL_STEPS = 10
-Scalar = bool | int | float | str  # tried in this order: 3 stays an int, true stays a bool
 
 
 @dataclass
 class DataConfig:
+    # Keys of the config schema before dataset plug-ins declared their own parameters (issue #19).
+    MOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "synthetic_alpha": "data.params.alpha (of dataset synthetic)",
+        "synthetic_beta": "data.params.beta (of dataset synthetic)",
+    }
     # A dataset plug-in (fairfl.data.plugin): a registered name (FairFL's built-ins are entry points of group
     # fairfl.datasets: fashion_mnist, mnist, cifar10, synthetic) or package.module:attr.
     dataset: str = "fashion_mnist"
@@ -130,6 +134,12 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
+    # Keys of the config schema before model factories declared their own parameters (issue #19).
+    MOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "hidden": "model.params.hidden (of mlp or cnn)",
+        "cnn_channels": "model.params.channels (of cnn)",
+        "cnn_hidden": "model.params.hidden (of cnn)",
+    }
     # A model factory (fairfl.models): a registered name (FairFL's built-ins are entry points of group fairfl.models:
     # mlp, cnn, logreg) or package.module:attr of a callable factory(signature, **params) -> torch.nn.Module.
     name: str = "mlp"
@@ -188,7 +198,7 @@ class StrategyConfig:
     # A registered name (FairFL's built-ins are entry points of group fairfl.strategies) or package.module:attr.
     name: str = "fedavg"
     server_lr: float = 1.0
-    params: dict[str, Scalar] = field(default_factory=dict)  # the strategy's declared Params
+    params: dict[str, Any] = field(default_factory=dict)  # the strategy's declared Params
 
     def validate(self, path: str) -> None:
         _positive(self.server_lr, f"{path}.server_lr")
@@ -205,7 +215,7 @@ class SelectionConfig:
     clients_per_round: int = 10
     # The sampler's declared parameters (its Params dataclass; unset = the paper's value), e.g. hics: temperature,
     # lambda_entropy, gamma0, num_clusters, warmup_rounds; power_of_choice: candidates (d).
-    params: dict[str, Scalar] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
 
     def sampler_class(self) -> type[Sampler]:
         """The sampler `method` names, loaded through the registry; PluginError naming selection.method."""
@@ -223,14 +233,14 @@ class SelectionConfig:
 
     def validate_run(self, cfg: ExperimentConfig) -> None:
         """Rules across sections, from what the sampler declares; each error names the field to change."""
-        from fairfl.sampling import SIGNATURE_FIELDS
+        from fairfl.sampling import SIGNATURE_FIELDS, uniform_samplers
 
         cls = self.sampler_class()
         if cfg.privacy.enabled and not cls.uniform:
             raise ConfigError(
                 f"selection.method: {self.method} is not a uniform sampler (it may select on clients' bias updates, "
                 "losses or updates, which DP runs do not release unprotected and which break the privacy accounting's "
-                "uniform sampling); use random"
+                f"uniform sampling); use a uniform one: {', '.join(uniform_samplers())}"
             )
         collected = {"bias_update"}  # the signatures the round engine asks trained clients for
         missing = sorted(set(cls.client_signatures) - collected)
@@ -442,11 +452,13 @@ class ExperimentConfig:
                     "sample rate the privacy accountant handles soundly"
                 )
             if not self.selection.sampler_class().uniform:
+                from fairfl.sampling import uniform_samplers
+
                 # The accountant's q is each client's chance of being drawn; only uniform sampling gives every live
                 # client the same chance, selected / live candidates.
                 raise ConfigError(
-                    f"selection.method: privacy.principal federation needs uniform sampling (random or full), "
-                    f"got {self.selection.method!r}"
+                    f"selection.method: privacy.principal federation needs uniform sampling "
+                    f"({', '.join(uniform_samplers())}), got {self.selection.method!r}"
                 )
             return
         if self.training.local_epochs is not None:

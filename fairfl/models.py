@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fairfl.data.signature import DataSignature
-from fairfl.plugins import PluginError, Registry, parse_params
+from fairfl.plugins import NoParams, PluginError, Registry, parse_params
 from fairfl.schema import ConfigError
 
 if TYPE_CHECKING:
@@ -282,11 +282,6 @@ class CnnParams:
                 raise ConfigError(f"{path}.{name}: must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass
-class NoModelParams:
-    """logreg takes no parameters."""
-
-
 @model_factory(MlpParams)
 def mlp(signature: DataSignature, hidden: Sequence[int] = (200, 200)) -> FairFLModel:
     """Fully connected ReLU network with the given hidden widths."""
@@ -301,7 +296,7 @@ def cnn(
     return _build_cnn(signature.input_shape, signature.num_classes, channels, hidden, kernel_size)
 
 
-@model_factory(NoModelParams)
+@model_factory(NoParams)  # logreg takes no parameters
 def logreg(signature: DataSignature) -> FairFLModel:
     """Multinomial logistic regression: one linear layer on the flattened input."""
     return _build_logreg(signature.input_shape, signature.num_classes)

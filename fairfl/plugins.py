@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
+import types
 import typing
 from collections.abc import Callable
 from importlib import metadata
@@ -29,6 +30,7 @@ __all__ = [
     "NoParams",
     "PluginError",
     "Registry",
+    "coerce_params",
     "params_from_struct",
     "params_to_struct",
     "parse_params",
@@ -137,11 +139,18 @@ class Registry(Generic[T]):
             return _import_attr(ref, field, self.kind)
         if ref in self._registered:
             return self._registered[ref]
-        entry = self._entry_points().get(ref)
+        entries = self._entry_points()
+        entry = entries.get(ref)
         if entry is None:
+            hint = ""
+            if not entries:  # not even FairFL's own built-ins: the checkout was never installed
+                hint = (
+                    f"; no entry points of group {self.group} are installed: is FairFL installed (`make setup`, or "
+                    "`pip install -e .` in the checkout)?"
+                )
             raise PluginError(
                 f"{field}: unknown {self.kind} {ref!r}; available: {', '.join(self.names()) or 'none'} "
-                "(or name your own as package.module:attr)"
+                f"(or name your own as package.module:attr){hint}"
             )
         try:
             return entry.load()
@@ -188,32 +197,63 @@ def parse_params(cls: type, raw: Any, path: str) -> Any:
     return params
 
 
-def params_to_struct(params: Any) -> struct_pb2.Struct:
-    """A plug-in's parameters (dataclass or mapping) as a protobuf Struct, the open typed field they travel in."""
+def coerce_params(cls: type, params: Any, path: str) -> Any:
+    """`params` as a checked instance of the Params dataclass `cls`: None gives the defaults; a mapping (from a
+    config) or an instance (built in code) goes through `parse_params`'s checks alike; anything else is refused."""
+    if params is None or isinstance(params, dict):
+        return parse_params(cls, params or {}, path)
+    if not isinstance(params, cls):
+        raise PluginError(f"{path}: expected {cls.__qualname__} or a mapping, got {type(params).__name__}")
+    return parse_params(cls, dataclasses.asdict(params), path)
+
+
+WIRE_INT_MAX = 2**53  # Struct numbers are doubles: every int up to here travels exactly
+
+
+def params_to_struct(params: Any, path: str = "params") -> struct_pb2.Struct:
+    """A plug-in's parameters (dataclass or mapping) as a protobuf Struct, the open typed field they travel in.
+    None travels as null; an int a double cannot hold exactly is refused (PluginError naming `path.<key>`)."""
     raw = dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(params or {})
+    for key, value in raw.items():
+        _check_exact(value, f"{path}.{key}")
     out = struct_pb2.Struct()
-    out.update({k: v for k, v in raw.items() if v is not None})
+    out.update(raw)
     return out
+
+
+def _check_exact(value: Any, path: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > WIRE_INT_MAX:
+        raise PluginError(
+            f"{path}: {value} is beyond ±2^53, which parameters on the wire (a Struct) cannot carry exactly"
+        )
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_exact(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_exact(item, f"{path}.{key}")
 
 
 def params_from_struct(cls: type, message: struct_pb2.Struct, path: str) -> Any:
     """`parse_params` of a Struct off the wire. Struct numbers are doubles, so an integral value is read back as the
-    int it was wherever the dataclass declares an int."""
+    int it was wherever the dataclass declares an int (also inside lists, mappings and optional fields)."""
     raw = json_format.MessageToDict(message)
     hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
     return parse_params(cls, {k: _integral(v, hints.get(k)) for k, v in raw.items()}, path)
 
 
 def _integral(value: Any, hint: Any) -> Any:
-    wants_int = (
-        hint is int
-        or int in typing.get_args(hint)
-        or (typing.get_origin(hint) is list and typing.get_args(hint)[:1] == (int,))
-    )
-    if not wants_int:
-        return value
-    if isinstance(value, float) and value.is_integer():
+    """`value` with integral floats turned back into ints where `hint` admits an int at that position."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if isinstance(value, float) and value.is_integer() and int in options:
         return int(value)
-    if isinstance(value, list):
-        return [int(v) if isinstance(v, float) and v.is_integer() else v for v in value]
+    for option in options:
+        origin, args = typing.get_origin(option), typing.get_args(option)
+        if isinstance(value, list) and origin is list and args:
+            return [_integral(item, args[0]) for item in value]
+        if isinstance(value, list) and origin is tuple and args:
+            hints = [args[0]] * len(value) if args[-1] is Ellipsis else [*args, *[None] * len(value)]
+            return [_integral(item, hint) for item, hint in zip(value, hints, strict=False)]
+        if isinstance(value, dict) and origin is dict and len(args) == 2:
+            return {key: _integral(item, args[1]) for key, item in value.items()}
     return value

@@ -40,9 +40,9 @@ from fairfl.plugins import (
     NoParams,
     PluginError,
     Registry,
+    coerce_params,
     params_from_struct,
     params_to_struct,
-    parse_params,
     reference_of,
 )
 from fairfl.protocol import ClientResult
@@ -182,15 +182,6 @@ def _reference(cls: type[LocalProcedure], field: str) -> str:
             raise PluginError(f"{field}: {err}") from None
 
 
-def _checked_params(cls: type[LocalProcedure], params: Any, path: str) -> Any:
-    if params is None or isinstance(params, dict):
-        return parse_params(cls.Params, params or {}, path)
-    if not isinstance(params, cls.Params):
-        raise PluginError(f"{path}: expected {cls.Params.__qualname__} or a mapping, got {type(params).__name__}")
-    # An instance built in code: run it through the same checks as one read from a config
-    return parse_params(cls.Params, dataclasses.asdict(params), path)
-
-
 def attach_procedure(
     cfg: federation_pb2.LocalTrainingConfig,
     procedure: type[LocalProcedure] | str,
@@ -207,9 +198,9 @@ def attach_procedure(
         if reason is not None:
             raise PluginError(f"{field}: {procedure!r} is not a local procedure: {reason}")
         cls, ref = procedure, _reference(procedure, field)
-    checked = _checked_params(cls, params, f"{field}.params")
+    checked = coerce_params(cls.Params, params, f"{field}.params")
     spec = cfg.procedures.add(ref=ref)
-    spec.params.CopyFrom(params_to_struct(checked))
+    spec.params.CopyFrom(params_to_struct(checked, f"{field}.params"))
 
 
 def resolve_procedures(

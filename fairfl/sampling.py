@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from fairfl.plugins import NoParams, Registry, parse_params
+from fairfl.plugins import NoParams, PluginError, Registry, coerce_params
 from fairfl.schema import ConfigError
 
 if TYPE_CHECKING:
@@ -341,6 +341,18 @@ def _check_sampler(obj: Any) -> str | None:
 SAMPLERS: Registry[type[Sampler]] = Registry("sampler", "fairfl.samplers", _check_sampler)
 
 
+def uniform_samplers() -> list[str]:
+    """Names of the installed samplers that declare uniform selection (for error messages)."""
+    out = []
+    for name in SAMPLERS.names():
+        try:
+            if SAMPLERS.load(name, "selection.method").uniform:
+                out.append(name)
+        except PluginError:
+            continue
+    return out
+
+
 def register_sampler(name: str, cls: type[Sampler]) -> type[Sampler]:
     """Make `cls` available as `selection.method: name` in this process (module:attr works in every process)."""
     return SAMPLERS.register(name, cls)
@@ -349,13 +361,7 @@ def register_sampler(name: str, cls: type[Sampler]) -> type[Sampler]:
 def resolve_params(cls: type[Sampler], params: Any, path: str = "params") -> Any:
     """`params` as an instance of `cls.Params`: None gives the defaults, a mapping is parsed and validated (errors
     name `path`); anything but an instance is refused with InvalidInput."""
-    if params is None:
-        params = {}
-    if isinstance(params, cls.Params):
-        return params
-    if isinstance(params, dict):
-        try:
-            return parse_params(cls.Params, params, path)
-        except ConfigError as err:
-            raise InvalidInput(str(err)) from None
-    raise InvalidInput(f"{path}: expected {cls.__name__}.Params, got {type(params).__name__}")
+    try:
+        return coerce_params(cls.Params, params, path)
+    except ConfigError as err:  # the clustering service answers INVALID_ARGUMENT with it
+        raise InvalidInput(str(err)) from None

@@ -61,6 +61,13 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
         return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:  # tuple[int, ...] or a fixed tuple[int, float]; YAML writes either as a list
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        hints = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(hints) != len(value):
+            raise ConfigError(f"{path}: expected {len(hints)} values, got {len(value)}")
+        return tuple(_coerce(v, h, f"{path}[{i}]") for i, (v, h) in enumerate(zip(value, hints, strict=True)))
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
@@ -96,6 +103,9 @@ def _build(cls: type, data: Any, path: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
+        moved = getattr(cls, "MOVED_FIELDS", {}).get(unknown[0])  # a key an older config schema had here
+        if moved is not None:
+            raise ConfigError(f"{_join(path, unknown[0])}: this field moved to {moved}")
         raise ConfigError(f"{_join(path, unknown[0])}: unknown field; valid fields here: {', '.join(names)}")
     values = {name: _coerce(data[name], hints[name], _join(path, name)) for name in names if name in data}
     return cls(**values)

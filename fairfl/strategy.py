@@ -313,10 +313,8 @@ def _same_selection(method: str, required: str) -> bool:
     """Whether selection.method names the required sampler (directly, or as another name of the same sampler)."""
     if method == required:
         return True
-    try:
-        from fairfl.sampling import SAMPLERS  # the samplers' registry resolves aliases (e.g. clustered)
-    except ImportError:
-        return False
+    from fairfl.sampling import SAMPLERS  # the samplers' registry resolves aliases (e.g. clustered)
+
     try:
         return SAMPLERS.load(method, "selection.method") is SAMPLERS.load(required, "selection.method")
     except PluginError:

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
+from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink, RunStopped
 from aggregator_service.federation.state import Batch, FederationState
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
@@ -35,8 +35,6 @@ class GrpcTransport(ClientTransport):
         deadline = time.monotonic() + timeout
         while len([c for c in self.state.live_clients() if c < num_clients]) < num_clients:
             if stop.is_set():
-                from aggregator_service.engine import RunStopped
-
                 raise RunStopped("stopped while waiting for clients")
             if time.monotonic() > deadline:
                 raise TimeoutError(

@@ -1,8 +1,9 @@
 """The privacy ledger in-process: the privacy service's own ledger code, in memory, behind the engine's PrivacyGate.
 
-In-process runs (`fairfl run --inprocess`, the oracle the gRPC path is tested against, tests) account privacy with
-exactly the code the privacy service runs. It lives in the composition layer because it joins two services: the
-aggregator's round engine (aggregator_service) and the ledger (privacy_service), which may not import each other.
+In-process runs (`fairfl run --transport inprocess`, the oracle the gRPC path is tested against, tests) account
+privacy with exactly the code the privacy service runs. It lives in the composition layer because it joins two
+services: the aggregator's round engine (aggregator_service) and the ledger (privacy_service), which may not import
+each other.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Selection and clustering in-process: the clustering service's code called directly, for runs whose every part is
-one process (`fairfl run-inprocess`, `compare` workers, tests). The composition layer injects these into the round
-engine; the aggregator service itself only ever reaches the clustering service over gRPC (aggregator_service.peers,
-aggregator_service.clustering_peer), so no service imports another.
+"""Selection and clustering in-process: the clustering service's code called directly, for runs whose every part is one
+process (`fairfl run --transport inprocess`, `compare` workers, tests). The composition layer injects these into the
+round engine; the aggregator service itself only ever reaches the clustering service over gRPC
+(aggregator_service.peers, aggregator_service.clustering_peer), so no service imports another.
 
 Both take the same requests as the gRPC peers and run the same code as the service (the sampler resolved through the
 same registry, the same signature decoding, `cluster_reply`), so both transports select and cluster identically.

@@ -179,7 +179,8 @@ def test_signature_comes_from_the_dataset_plugin() -> None:
         ({"name": "cnn", "params": {"channels": [8]}}, "model.params.channels:", "expected 2 conv widths"),
         ({"name": "mlp", "params": {"hidden": []}}, "model.params.hidden:", "at least one hidden width"),
         ({"name": "logreg", "params": {"hidden": [4]}}, "model.params:", "valid parameters: none"),
-        ({"name": "mlp", "hidden": [4]}, "model.hidden:", "unknown field"),  # the old key is refused, not ignored
+        # the old key is refused with where it went, not ignored
+        ({"name": "mlp", "hidden": [4]}, "model.hidden:", "moved to model.params.hidden"),
     ],
 )
 def test_bad_model_plugin_fails_at_config_load_naming_the_field(model: dict[str, Any], start: str, reason: str) -> None:

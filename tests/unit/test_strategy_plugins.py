@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -314,3 +314,21 @@ def test_the_aggregator_imports_no_privacy_service_code() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@dataclass
+class ListParams:
+    keep: list[int] = field(default_factory=lambda: [0])
+    per_client: dict[str, float] = field(default_factory=dict)
+
+
+class ListKnobs(NoDp):
+    Params = ListParams
+
+
+def test_params_of_any_declared_type_reach_the_strategy_and_are_checked() -> None:
+    cfg = config({"name": ref(ListKnobs), "params": {"keep": [1, 2], "per_client": {"3": 0.5}}})
+    assert cfg.strategy.params == {"keep": [1, 2], "per_client": {"3": 0.5}}
+    assert "strategy.params.keep[1]: expected an integer, got 'x'" in error(
+        {"name": ref(ListKnobs), "params": {"keep": [1, "x"]}}
+    )

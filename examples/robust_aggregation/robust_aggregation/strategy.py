@@ -15,7 +15,7 @@ import torch
 from fairfl.api import UPDATE, AggregateOutcome, ClientResult, ConfigError, RoundContext, Strategy, train_results
 
 if TYPE_CHECKING:
-    from fairfl.config import ExperimentConfig  # only for the annotation of validate_run
+    from fairfl.api import ExperimentConfig  # only for the annotation of validate_run
 
 
 @dataclass(frozen=True)

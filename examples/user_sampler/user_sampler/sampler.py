@@ -11,7 +11,7 @@ import numpy as np
 from fairfl.api import ConfigError, RunState, Sampler, SelectionInput, SelectionOutput
 
 if TYPE_CHECKING:
-    from fairfl.config import ExperimentConfig  # only for the annotation of validate_run
+    from fairfl.api import ExperimentConfig  # only for the annotation of validate_run
 
 
 @dataclass(frozen=True)
