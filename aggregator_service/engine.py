@@ -207,7 +207,6 @@ class RoundEngine:
         self.strategy: Strategy = build_strategy(
             config.strategy.name, config.strategy.params, config.strategy.server_lr
         )
-        self._max_phases = self.strategy.max_phases  # read before a wrapper (monitoring's TimedStrategy) hides it
         self.round = 0
         # Strategies that cluster (Equitable-FL) call the clustering service through this; in-process by default.
         self.clusterer = clusterer or NoClusterer()  # composition injects one
@@ -418,10 +417,10 @@ class RoundEngine:
         phases: list[list[ClientResult]] = []
         phase_index = 0
         while (plan := self.strategy.configure(ctx, phase_index, phases)) is not None:
-            if phase_index >= self._max_phases:
+            if phase_index >= self.strategy.max_phases:
                 raise RuntimeError(
                     f"strategy {self.config.strategy.name}: planned phase {phase_index + 1} of round {ctx.round}, "
-                    f"beyond its declared max_phases = {self._max_phases}"
+                    f"beyond its declared max_phases = {self.strategy.max_phases}"
                 )
             # A sampler may draw a client twice (Clustered Sampling); it trains once.
             clients = plan.clients if plan.clients is not None else sorted(set(ctx.selected))

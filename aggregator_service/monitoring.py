@@ -214,35 +214,16 @@ class TimedPrivacy:
         return getattr(self.inner, name)
 
 
-class TimedStrategy(Strategy):
-    """Times `aggregate`; everything else is the wrapped strategy's."""
+class TimedStrategy:
+    """Times `aggregate`; everything else (methods, declared capabilities, strategy-specific state) is the wrapped
+    strategy's, so the engine sees the same strategy with or without monitoring."""
 
-    def __init__(self, inner: Strategy) -> None:  # no super().__init__: all state stays in `inner`
+    def __init__(self, inner: Strategy) -> None:
         self.inner = inner
-
-    @property  # type: ignore[override]
-    def name(self) -> str:  # type: ignore[override]
-        return self.inner.name
-
-    @property  # type: ignore[override]
-    def reads_client_losses(self) -> bool:  # type: ignore[override]
-        return self.inner.reads_client_losses
-
-    def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> Any:
-        return self.inner.configure(ctx, phase_index, prior)
-
-    def folds(self, ctx: RoundContext, phase_index: int, plan: Any) -> Any:
-        return self.inner.folds(ctx, phase_index, plan)
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
         with timed("aggregate"):
             return self.inner.aggregate(ctx, phases)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:  # strategy-specific attributes (tests and checkpoints read some)
+    def __getattr__(self, name: str) -> Any:  # only called for what this wrapper does not define itself
         return getattr(self.inner, name)

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from typing import cast
 
 import grpc
 import torch
@@ -33,6 +34,7 @@ from fairfl.privacy import process_randomness
 from fairfl.rpc_guard import IDLE_TIMEOUT_S, AccessPolicy, add_limit_arguments, check_limits
 from fairfl.rpc_security import TransportSecurity, add_transport_arguments, transport_from_args
 from fairfl.rpc_server import RunningServer, serve_until_signal, start_server
+from fairfl.strategy import Strategy
 from fairfl.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ class Aggregator:
             dp_randomness=process_randomness(),  # FAIRFL_DP_RANDOMNESS, default secure (see fairfl.privacy)
             clusterer=RemoteClusterer(self.clustering_address),
         )
-        engine.strategy = TimedStrategy(engine.strategy)
+        engine.strategy = cast(Strategy, TimedStrategy(engine.strategy))
         directory = self.manager.checkpoint_directory(run_id, config)
         if directory is not None:
             engine.checkpointer = RunCheckpointer(directory, run_id, config)
