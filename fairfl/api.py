@@ -32,7 +32,7 @@ from fairfl.data.federated import FederatedData
 from fairfl.data.plugin import DATASETS, DataProvider, DataRequest, Dataset
 from fairfl.data.signature import DataSignature
 from fairfl.fold import ResultFold, sample_weighted
-from fairfl.models import MODELS, Head, HeadError, model_factory, model_head
+from fairfl.models import MODELS, Head, HeadError, ModelFactory, model_factory, model_head
 from fairfl.plugins import NoParams, PluginError, Registry
 from fairfl.procedure import PROCEDURES, LocalProcedure, LocalState, attach_procedure, register_procedure
 from fairfl.protocol import EVALUATE, FIRST_STEP_UPDATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
@@ -87,6 +87,7 @@ __all__ = [
     "InvalidInput",
     "LocalProcedure",
     "LocalState",
+    "ModelFactory",
     "NoParams",
     "PhasePlan",
     "PluginError",

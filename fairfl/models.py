@@ -22,7 +22,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ __all__ = [
     "FairFLModel",
     "Head",
     "HeadError",
+    "ModelFactory",
     "build_model",
     "build_run_model",
     "cnn",
@@ -149,6 +150,14 @@ def _build_logreg(input_shape: tuple[int, ...], num_classes: int) -> FairFLModel
 # ------------------------------------------------------------------------------------------------ factory protocol
 
 
+class ModelFactory(Protocol):
+    """What `model.name` names: called with the run's data signature and `model.params` as keyword arguments, it
+    returns any `torch.nn.Module`. It may declare its parameters as a dataclass attribute `Params` (`model_factory`);
+    without one, `model.params` are checked against its keyword arguments."""
+
+    def __call__(self, signature: DataSignature, /, **params: Any) -> nn.Module: ...
+
+
 def model_factory(params: type) -> Callable[[F], F]:
     """Declare a factory's parameters: `@model_factory(MyParams)` sets `factory.Params = MyParams`."""
 
@@ -193,7 +202,7 @@ def _check_factory(obj: Any) -> str | None:
     return None
 
 
-MODELS: Registry[Callable[..., nn.Module]] = Registry("model", "fairfl.models", _check_factory)
+MODELS: Registry[ModelFactory] = Registry("model", "fairfl.models", _check_factory)
 
 
 def factory_params(factory: Any, raw: Any, path: str = "model.params") -> Any:
