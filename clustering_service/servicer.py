@@ -9,13 +9,12 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf import json_format
 from numpy.typing import NDArray
 
 from clustering_service import clustering, samplers
 from clustering_service.state import StateStore
 from fairfl import codec, telemetry
-from fairfl.plugins import params_from_struct, parse_params
+from fairfl.plugins import params_from_struct
 from fairfl.rpc_refusals import abort
 from fairfl.sampling import SAMPLERS, InvalidInput, Sampler, SelectionInput, Signature
 from fairfl.schema import ConfigError
@@ -77,30 +76,15 @@ def selection_input_from_proto(request: clustering_pb2.SelectRequest, params: An
 
 def sampler_of(request: clustering_pb2.SelectRequest) -> tuple[str, type[Sampler], Any]:
     """(reference, class, Params instance) of the request's sampler, resolved through the registry; InvalidInput
-    naming the field (`sampler`, `sampler_params.<key>`) when it cannot be used.
-
-    An old client's request without `sampler` names a built-in by the deprecated enum (its lowercased name is the
-    registered name) and gives its parameters in the deprecated SelectionParams, whose field names are the Params'."""
-    if request.sampler:
-        ref, field, raw = request.sampler, "sampler", None
-    else:
-        try:
-            ref = clustering_pb2.SelectionMethod.Name(request.method).removeprefix("SELECTION_METHOD_").lower()
-        except ValueError:
-            raise InvalidInput(f"method: unknown selection method {request.method}; name the sampler") from None
-        if ref == "unspecified":
-            raise InvalidInput("sampler: required (a sampler name or package.module:attr); method is unspecified")
-        field = "method"
-        raw = json_format.MessageToDict(request.params, preserving_proto_field_name=True)
+    naming the field (`sampler`, `sampler_params.<key>`) when it cannot be used."""
+    if not request.sampler:
+        raise InvalidInput("sampler: required (a registered sampler name or package.module:attr)")
     try:
-        cls = SAMPLERS.load(ref, field)
-        if raw is None:
-            params = params_from_struct(cls.Params, request.sampler_params, "sampler_params")
-        else:
-            params = parse_params(cls.Params, raw, "params")
+        cls = SAMPLERS.load(request.sampler, "sampler")
+        params = params_from_struct(cls.Params, request.sampler_params, "sampler_params")
     except ConfigError as err:  # PluginError: not importable, not a Sampler, unknown name, bad parameter
         raise InvalidInput(str(err)) from None
-    return ref, cls, params
+    return request.sampler, cls, params
 
 
 def _require_run_id(run_id: str) -> None:

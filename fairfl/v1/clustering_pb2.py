@@ -26,37 +26,33 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from fairfl.v1 import tensor_pb2 as fairfl_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61irfl/v1/clustering.proto\x12\tfairfl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16\x66\x61irfl/v1/tensor.proto\"\xa5\x01\n\x0f\x43lientSignature\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12&\n\x0b\x62ias_update\x18\x04 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12%\n\nactivation\x18\x05 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x0c\n\x04loss\x18\x06 \x01(\x01\"Y\n\x17ReportSignaturesRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12.\n\nsignatures\x18\x02 \x03(\x0b\x32\x1a.fairfl.v1.ClientSignature\"<\n\x15ReportSignaturesReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\xa3\x04\n\x0fSelectionParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0elambda_entropy\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06gamma0\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0cnum_clusters\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x19\n\x0ctotal_rounds\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x1a\n\rwarmup_rounds\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\ncandidates\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\"\n\x15ward_rows_as_features\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12#\n\x16uniform_within_cluster\x18\t \x01(\x08H\x08\x88\x01\x01\x12 \n\x13\x66reeze_after_warmup\x18\n \x01(\x08H\t\x88\x01\x01\x12\x1c\n\x0fmax_ward_points\x18\x0b \x01(\rH\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x11\n\x0f_lambda_entropyB\t\n\x07_gamma0B\x0f\n\r_num_clustersB\x0f\n\r_total_roundsB\x10\n\x0e_warmup_roundsB\r\n\x0b_candidatesB\x18\n\x16_ward_rows_as_featuresB\x19\n\x17_uniform_within_clusterB\x16\n\x14_freeze_after_warmupB\x12\n\x10_max_ward_points\"\xe1\x02\n\rSelectRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x15\n\rnum_to_select\x18\x03 \x01(\r\x12\x12\n\ncandidates\x18\x04 \x03(\r\x12*\n\x06method\x18\x05 \x01(\x0e\x32\x1a.fairfl.v1.SelectionMethod\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12*\n\x06params\x18\x07 \x01(\x0b\x32\x1a.fairfl.v1.SelectionParams\x12\x18\n\x10\x63\x61ndidate_losses\x18\x08 \x03(\x01\x12%\n\nsimilarity\x18\t \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x1d\n\x15\x63\x61ndidate_num_samples\x18\n \x03(\x04\x12\x0f\n\x07sampler\x18\x0b \x01(\t\x12/\n\x0esampler_params\x18\x0c \x01(\x0b\x32\x17.google.protobuf.Struct\"\x82\x01\n\x0bSelectReply\x12\x10\n\x08selected\x18\x01 \x03(\r\x12\x1b\n\x13\x63luster_of_selected\x18\x02 \x03(\x05\x12\x19\n\x11selection_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cneeds_losses\x18\x04 \x01(\x08\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\xff\x01\n\x0e\x43lusterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12(\n\x06method\x18\x03 \x01(\x0e\x32\x18.fairfl.v1.ClusterMethod\x12\x14\n\x0cnum_clusters\x18\x04 \x01(\r\x12\x12\n\nclient_ids\x18\x05 \x03(\r\x12\x1f\n\x04rows\x18\x06 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12%\n\nsimilarity\x18\x07 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x0f\n\x07linkage\x18\t \x01(\t\x12\x13\n\x0btrue_groups\x18\n \x03(\x05\"Y\n\x0c\x43lusterReply\x12\x0e\n\x06labels\x18\x01 \x03(\x05\x12\r\n\x05sizes\x18\x02 \x03(\r\x12\x1d\n\x15\x65qual_cluster_weights\x18\x03 \x03(\x01\x12\x0b\n\x03nmi\x18\x04 \x01(\x01\"\"\n\x10\x46orgetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x10\n\x0e\x46orgetRunReply*\xf1\x01\n\x0fSelectionMethod\x12 \n\x1cSELECTION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SELECTION_METHOD_RANDOM\x10\x01\x12$\n SELECTION_METHOD_POWER_OF_CHOICE\x10\x02\x12\'\n#SELECTION_METHOD_CLUSTERED_SAMPLING\x10\x03\x12\x19\n\x15SELECTION_METHOD_HICS\x10\x04\x12\x1a\n\x16SELECTION_METHOD_DIVFL\x10\x05\x12\x19\n\x15SELECTION_METHOD_FULL\x10\x06*m\n\rClusterMethod\x12\x1e\n\x1a\x43LUSTER_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43LUSTER_METHOD_SPECTRAL\x10\x01\x12\x1f\n\x1b\x43LUSTER_METHOD_HIERARCHICAL\x10\x02\x32\xa6\x02\n\nClustering\x12X\n\x10ReportSignatures\x12\".fairfl.v1.ReportSignaturesRequest\x1a .fairfl.v1.ReportSignaturesReply\x12:\n\x06Select\x12\x18.fairfl.v1.SelectRequest\x1a\x16.fairfl.v1.SelectReply\x12=\n\x07\x43luster\x12\x19.fairfl.v1.ClusterRequest\x1a\x17.fairfl.v1.ClusterReply\x12\x43\n\tForgetRun\x12\x1b.fairfl.v1.ForgetRunRequest\x1a\x19.fairfl.v1.ForgetRunReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61irfl/v1/clustering.proto\x12\tfairfl.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16\x66\x61irfl/v1/tensor.proto\"\xa5\x01\n\x0f\x43lientSignature\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x04\x12&\n\x0b\x62ias_update\x18\x04 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12%\n\nactivation\x18\x05 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x0c\n\x04loss\x18\x06 \x01(\x01\"Y\n\x17ReportSignaturesRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12.\n\nsignatures\x18\x02 \x03(\x0b\x32\x1a.fairfl.v1.ClientSignature\"<\n\x15ReportSignaturesReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\xa5\x02\n\rSelectRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x15\n\rnum_to_select\x18\x03 \x01(\r\x12\x12\n\ncandidates\x18\x04 \x03(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x18\n\x10\x63\x61ndidate_losses\x18\x08 \x03(\x01\x12%\n\nsimilarity\x18\t \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x1d\n\x15\x63\x61ndidate_num_samples\x18\n \x03(\x04\x12\x0f\n\x07sampler\x18\x0b \x01(\t\x12/\n\x0esampler_params\x18\x0c \x01(\x0b\x32\x17.google.protobuf.StructJ\x04\x08\x05\x10\x06J\x04\x08\x07\x10\x08R\x06methodR\x06params\"\x82\x01\n\x0bSelectReply\x12\x10\n\x08selected\x18\x01 \x03(\r\x12\x1b\n\x13\x63luster_of_selected\x18\x02 \x03(\x05\x12\x19\n\x11selection_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cneeds_losses\x18\x04 \x01(\x08\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\xff\x01\n\x0e\x43lusterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12(\n\x06method\x18\x03 \x01(\x0e\x32\x18.fairfl.v1.ClusterMethod\x12\x14\n\x0cnum_clusters\x18\x04 \x01(\r\x12\x12\n\nclient_ids\x18\x05 \x03(\r\x12\x1f\n\x04rows\x18\x06 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12%\n\nsimilarity\x18\x07 \x01(\x0b\x32\x11.fairfl.v1.Tensor\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x0f\n\x07linkage\x18\t \x01(\t\x12\x13\n\x0btrue_groups\x18\n \x03(\x05\"Y\n\x0c\x43lusterReply\x12\x0e\n\x06labels\x18\x01 \x03(\x05\x12\r\n\x05sizes\x18\x02 \x03(\r\x12\x1d\n\x15\x65qual_cluster_weights\x18\x03 \x03(\x01\x12\x0b\n\x03nmi\x18\x04 \x01(\x01\"\"\n\x10\x46orgetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x10\n\x0e\x46orgetRunReply*m\n\rClusterMethod\x12\x1e\n\x1a\x43LUSTER_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43LUSTER_METHOD_SPECTRAL\x10\x01\x12\x1f\n\x1b\x43LUSTER_METHOD_HIERARCHICAL\x10\x02\x32\xa6\x02\n\nClustering\x12X\n\x10ReportSignatures\x12\".fairfl.v1.ReportSignaturesRequest\x1a .fairfl.v1.ReportSignaturesReply\x12:\n\x06Select\x12\x18.fairfl.v1.SelectRequest\x1a\x16.fairfl.v1.SelectReply\x12=\n\x07\x43luster\x12\x19.fairfl.v1.ClusterRequest\x1a\x17.fairfl.v1.ClusterReply\x12\x43\n\tForgetRun\x12\x1b.fairfl.v1.ForgetRunRequest\x1a\x19.fairfl.v1.ForgetRunReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fairfl.v1.clustering_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SELECTIONMETHOD']._serialized_start=1859
-  _globals['_SELECTIONMETHOD']._serialized_end=2100
-  _globals['_CLUSTERMETHOD']._serialized_start=2102
-  _globals['_CLUSTERMETHOD']._serialized_end=2211
+  _globals['_CLUSTERMETHOD']._serialized_start=1248
+  _globals['_CLUSTERMETHOD']._serialized_end=1357
   _globals['_CLIENTSIGNATURE']._serialized_start=96
   _globals['_CLIENTSIGNATURE']._serialized_end=261
   _globals['_REPORTSIGNATURESREQUEST']._serialized_start=263
   _globals['_REPORTSIGNATURESREQUEST']._serialized_end=352
   _globals['_REPORTSIGNATURESREPLY']._serialized_start=354
   _globals['_REPORTSIGNATURESREPLY']._serialized_end=414
-  _globals['_SELECTIONPARAMS']._serialized_start=417
-  _globals['_SELECTIONPARAMS']._serialized_end=964
-  _globals['_SELECTREQUEST']._serialized_start=967
-  _globals['_SELECTREQUEST']._serialized_end=1320
-  _globals['_SELECTREPLY']._serialized_start=1323
-  _globals['_SELECTREPLY']._serialized_end=1453
-  _globals['_CLUSTERREQUEST']._serialized_start=1456
-  _globals['_CLUSTERREQUEST']._serialized_end=1711
-  _globals['_CLUSTERREPLY']._serialized_start=1713
-  _globals['_CLUSTERREPLY']._serialized_end=1802
-  _globals['_FORGETRUNREQUEST']._serialized_start=1804
-  _globals['_FORGETRUNREQUEST']._serialized_end=1838
-  _globals['_FORGETRUNREPLY']._serialized_start=1840
-  _globals['_FORGETRUNREPLY']._serialized_end=1856
-  _globals['_CLUSTERING']._serialized_start=2214
-  _globals['_CLUSTERING']._serialized_end=2508
+  _globals['_SELECTREQUEST']._serialized_start=417
+  _globals['_SELECTREQUEST']._serialized_end=710
+  _globals['_SELECTREPLY']._serialized_start=713
+  _globals['_SELECTREPLY']._serialized_end=843
+  _globals['_CLUSTERREQUEST']._serialized_start=846
+  _globals['_CLUSTERREQUEST']._serialized_end=1101
+  _globals['_CLUSTERREPLY']._serialized_start=1103
+  _globals['_CLUSTERREPLY']._serialized_end=1192
+  _globals['_FORGETRUNREQUEST']._serialized_start=1194
+  _globals['_FORGETRUNREQUEST']._serialized_end=1228
+  _globals['_FORGETRUNREPLY']._serialized_start=1230
+  _globals['_FORGETRUNREPLY']._serialized_end=1246
+  _globals['_CLUSTERING']._serialized_start=1360
+  _globals['_CLUSTERING']._serialized_end=1654
 # @@protoc_insertion_point(module_scope)

@@ -9,28 +9,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class SelectionMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    SELECTION_METHOD_UNSPECIFIED: _ClassVar[SelectionMethod]
-    SELECTION_METHOD_RANDOM: _ClassVar[SelectionMethod]
-    SELECTION_METHOD_POWER_OF_CHOICE: _ClassVar[SelectionMethod]
-    SELECTION_METHOD_CLUSTERED_SAMPLING: _ClassVar[SelectionMethod]
-    SELECTION_METHOD_HICS: _ClassVar[SelectionMethod]
-    SELECTION_METHOD_DIVFL: _ClassVar[SelectionMethod]
-    SELECTION_METHOD_FULL: _ClassVar[SelectionMethod]
-
 class ClusterMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CLUSTER_METHOD_UNSPECIFIED: _ClassVar[ClusterMethod]
     CLUSTER_METHOD_SPECTRAL: _ClassVar[ClusterMethod]
     CLUSTER_METHOD_HIERARCHICAL: _ClassVar[ClusterMethod]
-SELECTION_METHOD_UNSPECIFIED: SelectionMethod
-SELECTION_METHOD_RANDOM: SelectionMethod
-SELECTION_METHOD_POWER_OF_CHOICE: SelectionMethod
-SELECTION_METHOD_CLUSTERED_SAMPLING: SelectionMethod
-SELECTION_METHOD_HICS: SelectionMethod
-SELECTION_METHOD_DIVFL: SelectionMethod
-SELECTION_METHOD_FULL: SelectionMethod
 CLUSTER_METHOD_UNSPECIFIED: ClusterMethod
 CLUSTER_METHOD_SPECTRAL: ClusterMethod
 CLUSTER_METHOD_HIERARCHICAL: ClusterMethod
@@ -67,41 +50,13 @@ class ReportSignaturesReply(_message.Message):
     instance_id: str
     def __init__(self, stored: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
-class SelectionParams(_message.Message):
-    __slots__ = ("temperature", "lambda_entropy", "gamma0", "num_clusters", "total_rounds", "warmup_rounds", "candidates", "ward_rows_as_features", "uniform_within_cluster", "freeze_after_warmup", "max_ward_points")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    LAMBDA_ENTROPY_FIELD_NUMBER: _ClassVar[int]
-    GAMMA0_FIELD_NUMBER: _ClassVar[int]
-    NUM_CLUSTERS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    WARMUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
-    WARD_ROWS_AS_FEATURES_FIELD_NUMBER: _ClassVar[int]
-    UNIFORM_WITHIN_CLUSTER_FIELD_NUMBER: _ClassVar[int]
-    FREEZE_AFTER_WARMUP_FIELD_NUMBER: _ClassVar[int]
-    MAX_WARD_POINTS_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    lambda_entropy: float
-    gamma0: float
-    num_clusters: int
-    total_rounds: int
-    warmup_rounds: int
-    candidates: int
-    ward_rows_as_features: bool
-    uniform_within_cluster: bool
-    freeze_after_warmup: bool
-    max_ward_points: int
-    def __init__(self, temperature: _Optional[float] = ..., lambda_entropy: _Optional[float] = ..., gamma0: _Optional[float] = ..., num_clusters: _Optional[int] = ..., total_rounds: _Optional[int] = ..., warmup_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., ward_rows_as_features: _Optional[bool] = ..., uniform_within_cluster: _Optional[bool] = ..., freeze_after_warmup: _Optional[bool] = ..., max_ward_points: _Optional[int] = ...) -> None: ...
-
 class SelectRequest(_message.Message):
-    __slots__ = ("run_id", "round", "num_to_select", "candidates", "method", "seed", "params", "candidate_losses", "similarity", "candidate_num_samples", "sampler", "sampler_params")
+    __slots__ = ("run_id", "round", "num_to_select", "candidates", "seed", "candidate_losses", "similarity", "candidate_num_samples", "sampler", "sampler_params")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_TO_SELECT_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
-    METHOD_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_LOSSES_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -111,15 +66,13 @@ class SelectRequest(_message.Message):
     round: int
     num_to_select: int
     candidates: _containers.RepeatedScalarFieldContainer[int]
-    method: SelectionMethod
     seed: int
-    params: SelectionParams
     candidate_losses: _containers.RepeatedScalarFieldContainer[float]
     similarity: _tensor_pb2.Tensor
     candidate_num_samples: _containers.RepeatedScalarFieldContainer[int]
     sampler: str
     sampler_params: _struct_pb2.Struct
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., num_to_select: _Optional[int] = ..., candidates: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[SelectionMethod, str]] = ..., seed: _Optional[int] = ..., params: _Optional[_Union[SelectionParams, _Mapping]] = ..., candidate_losses: _Optional[_Iterable[float]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_num_samples: _Optional[_Iterable[int]] = ..., sampler: _Optional[str] = ..., sampler_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., num_to_select: _Optional[int] = ..., candidates: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., candidate_losses: _Optional[_Iterable[float]] = ..., similarity: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., candidate_num_samples: _Optional[_Iterable[int]] = ..., sampler: _Optional[str] = ..., sampler_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class SelectReply(_message.Message):
     __slots__ = ("selected", "cluster_of_selected", "selection_seconds", "needs_losses", "instance_id")

@@ -117,7 +117,7 @@ def test_select_over_grpc_matches_in_process_oracle(stub: clustering_pb2_grpc.Cl
                 round=round_,
                 num_to_select=3,
                 candidates=candidates,
-                method=pb.SELECTION_METHOD_RANDOM,
+                sampler="random",
                 seed=7,
             ),
             timeout=SHORT_DEADLINE,
@@ -187,13 +187,13 @@ def test_cluster_over_grpc(stub: clustering_pb2_grpc.ClusteringStub) -> None:
 def test_invalid_requests(stub: clustering_pb2_grpc.ClusteringStub) -> None:
     with pytest.raises(grpc.RpcError) as bad:
         stub.Select(
-            pb.SelectRequest(run_id="it", num_to_select=5, candidates=[1, 2], method=pb.SELECTION_METHOD_RANDOM),
+            pb.SelectRequest(run_id="it", num_to_select=5, candidates=[1, 2], sampler="random"),
             timeout=SHORT_DEADLINE,
         )
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_to_select" in bad.value.details()
     with pytest.raises(grpc.RpcError) as hics:
         stub.Select(
-            pb.SelectRequest(run_id="it", num_to_select=1, candidates=[1, 2], method=pb.SELECTION_METHOD_HICS),
+            pb.SelectRequest(run_id="it", num_to_select=1, candidates=[1, 2], sampler="hics"),
             timeout=SHORT_DEADLINE,
         )
     assert hics.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "total_rounds" in hics.value.details()
