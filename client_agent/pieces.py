@@ -2,8 +2,9 @@
 
 The task's typed fields choose them (prox_mu, alignment, fair_step, want_activation, record_first_step,
 want_bias_update); `builtin_pieces` builds them in the loop's fixed order, ahead of the task's user procedures.
-Each keeps the arithmetic, and its order, of the branch of the former single training function it replaces, so the
-built-in algorithms train bit for bit as before.
+A DP-SGD task (train.dp) runs one piece, `DpSgd`, which takes over the loop's batches and gradients through the
+internal `LoopOwner` hooks. Each keeps the arithmetic, and its order, of the branch of the former single training
+function it replaces, so the built-in algorithms train bit for bit as before.
 
 The model head (penultimate features, output layer, its bias) is fairfl.models.model_head's: a model's declared
 `features(x)` and `classifier`, else its last nn.Linear.
@@ -19,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from client_agent import dp_sgd
 from fairfl.models import model_head
-from fairfl.params import ParamLayout, flatten_on_device, to_host
+from fairfl.params import ParamLayout, flatten_on_device, to_device, to_host
+from fairfl.privacy import dp_seed
 from fairfl.procedure import LocalProcedure, LocalState
 from fairfl.protocol import FIRST_STEP_UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
@@ -157,14 +160,149 @@ class ActivationCapture(LocalProcedure):
         return self.total / self.count
 
 
+@dataclass(frozen=True)
+class Telemetry:
+    """The loop's own noiseless measurements a task releases: F_i at x_t and x_K (`losses`), with Acc_i(x_t)
+    (`accuracy`), and the mean training loss (`train_loss`)."""
+
+    losses: bool
+    accuracy: bool = True
+    train_loss: bool = True
+
+
+class LoopOwner(LocalProcedure):
+    """Internal, not part of fairfl.procedure's public hooks: a built-in piece that takes over the loop's batches
+    and gradients (DP-SGD). The loop calls these hooks on pieces of this class only, at most one per task, and such a
+    task runs no other piece (user procedures would see what the owner keeps private).
+
+        telemetry(cfg) -> Telemetry          which of the loop's noiseless measurements may leave
+        draw_batch(state) -> indices         this step's batch, in place of the loop's shuffled epochs
+        gradient(state) -> (loss sum, count) writes p.grad, in place of the loop's forward, objective and backward;
+                                             the training loss is Σ loss sums / Σ counts over the steps
+        release(state, result)               after training, before the loop's telemetry (noisy releases)
+    """
+
+    def telemetry(self, cfg: federation_pb2.LocalTrainingConfig) -> Telemetry:
+        return Telemetry(losses=not cfg.skip_losses)
+
+    def draw_batch(self, state: LocalState) -> torch.Tensor | None:
+        """This step's sample indices on the device, or None for the loop's own batch."""
+        return None
+
+    def gradient(self, state: LocalState) -> tuple[torch.Tensor, int]:
+        """Write this step's gradient to each parameter's `.grad` from state.inputs / state.targets."""
+        raise NotImplementedError
+
+    def release(self, state: LocalState, result: ClientResult) -> None:
+        """Once, after training (`state.update` is set), before the loop's own telemetry."""
+
+
+class DpSgd(LoopOwner):
+    """FedFDP's LOCAL (Alg. 2): DP-SGD steps on Poisson(q) batches with fair clipping, then the noisy loss.
+
+    λ = dp.fair_lambda (0 = standard DP-SGD), F = fair_step.global_loss (0 without one); FedProx's μ(w − x_t) is
+    added to each per-sample gradient before clipping. Optimiser, momentum, weight decay and lr apply to the noisy
+    gradient (post-processing). The update and the noisy loss are released; the noiseless losses only as opted-in
+    experiment telemetry (dp.plaintext_telemetry), else NaN = withheld. See client_agent/dp_sgd.py.
+    """
+
+    def __init__(self, cfg: federation_pb2.LocalTrainingConfig, randomness: str) -> None:
+        super().__init__()
+        self.check(cfg)
+        self.cfg, self.dp, self.randomness = cfg, cfg.dp, randomness
+        self.global_loss = cfg.fair_step.global_loss if cfg.HasField("fair_step") else 0.0
+
+    @staticmethod
+    def check(cfg: federation_pb2.LocalTrainingConfig) -> None:
+        """A DP-SGD task releases the noisy update and loss only: refuse settings that would release more."""
+        dp = cfg.dp
+        if cfg.WhichOneof("budget") != "local_steps":
+            raise ValueError("DP-SGD needs local_steps: epochs are not Poisson-sampled steps")
+        if not 0 < dp.sample_rate <= 1 or dp.noise_multiplier <= 0 or dp.clip_norm <= 0:
+            raise ValueError(
+                f"invalid DP-SGD settings: sample_rate={dp.sample_rate}, noise_multiplier={dp.noise_multiplier}, "
+                f"clip_norm={dp.clip_norm}"
+            )
+        if cfg.HasField("alignment") or cfg.record_first_step or cfg.want_bias_update or cfg.want_activation:
+            raise ValueError("DP-SGD tasks cannot also release alignment steps, bias updates or activations")
+        if cfg.procedures:  # their hooks would see the non-private per-batch gradients and losses
+            refs = ", ".join(spec.ref for spec in cfg.procedures)
+            raise ValueError(f"train.procedures: DP-SGD tasks cannot run local procedures ({refs})")
+
+    def telemetry(self, cfg: federation_pb2.LocalTrainingConfig) -> Telemetry:
+        telemetry = self.dp.plaintext_telemetry
+        return Telemetry(losses=telemetry, accuracy=False, train_loss=telemetry)
+
+    def begin(self, state: LocalState) -> None:
+        seeds = [dp_seed(self.randomness, state.seed, purpose) for purpose in range(4)]
+        self.sample_gen, self.noise_gen, self.loss_sample_gen, self.loss_noise_gen = (
+            torch.Generator().manual_seed(s) for s in seeds
+        )
+        self.named = dict(state.model.named_parameters())
+        self.anchor = None
+        if self.cfg.prox_mu > 0:
+            self.anchor = {k: p.detach().clone() for k, p in self.named.items()}
+        self.last_batch = torch.empty(0, dtype=torch.long)
+
+    def draw_batch(self, state: LocalState) -> torch.Tensor:
+        self.last_batch = to_device(
+            dp_sgd.poisson_sample(len(state.y_train), self.dp.sample_rate, self.sample_gen), state.device
+        )
+        return self.last_batch
+
+    def gradient(self, state: LocalState) -> tuple[torch.Tensor, int]:
+        """ĝ = (Σ_j c_j g_j + N(0, σ²C²I)) / b on the batch; (Σ_j ℓ_j on the device, |B|)."""
+        dp, mu = self.dp, self.cfg.prox_mu
+        prox = None
+        if self.anchor is not None:  # FedProx's μ(w − x_t), added to each per-sample gradient before clipping
+            prox = {k: mu * (p.detach() - self.anchor[k]) for k, p in self.named.items()}
+        clipped = dp_sgd.clipped_gradient_sum(
+            state.model, state.inputs, state.targets, dp.clip_norm, dp.fair_lambda, self.global_loss, prox
+        )
+        noise = dp_sgd.gaussian_like(clipped.sums, dp.noise_multiplier * dp.clip_norm, self.noise_gen)
+        divisor = dp_sgd.normalizer(dp, len(state.y_train), clipped.batch)
+        state.optimizer.zero_grad(set_to_none=False)
+        for k, p in self.named.items():
+            p.grad = (clipped.sums[k] + noise[k]) / divisor
+        return clipped.loss_total, clipped.batch
+
+    def release(self, state: LocalState, result: ClientResult) -> None:
+        """FedFDP's noisy loss F̃ at the trained model (Alg. 2 lines 22–28), on an independent Poisson batch (§2.6 a,
+        so Theorem 3 applies) or, with shared_loss_batch, on the last gradient batch."""
+        dp = self.dp
+        if dp.loss_noise_multiplier <= 0:
+            return
+        n = len(state.y_train)
+        clip = max(dp.loss_clip, dp.loss_clip_min)
+        idx = self.last_batch
+        if not dp.shared_loss_batch:
+            idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, self.loss_sample_gen), state.device)
+        state.model.eval()
+        result.noisy_loss = dp_sgd.noisy_loss(
+            state.model,
+            state.x_train[idx],
+            state.y_train[idx],
+            clip,
+            dp.loss_noise_multiplier,
+            dp_sgd.normalizer(dp, n, len(idx)),
+            self.loss_noise_gen,
+        )
+        result.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)
+
+
 def builtin_pieces(
     cfg: federation_pb2.LocalTrainingConfig,
     model: nn.Module,
     layout: ParamLayout,
     fetch: Callable[[tensor_pb2.BlobRef], torch.Tensor],
+    dp_randomness: str = "secure",
 ) -> list[LocalProcedure]:
     """The pieces the task's typed fields ask for, in the loop's order. `fetch` resolves a blob (the fair gradient)
-    to a flat vector on the device."""
+    to a flat vector on the device. A DP-SGD task gets DpSgd alone (its per-sample clipping subsumes FedProx's and
+    FedFDP's terms), after DpSgd.check refuses what it must not release, user procedures included; `dp_randomness`
+    seeds its generators (fairfl.privacy.dp_seed)."""
+    if cfg.HasField("dp"):
+        return [DpSgd(cfg, dp_randomness)]
     pieces: list[LocalProcedure] = []
     if cfg.prox_mu > 0:
         pieces.append(ProximalTerm(ProximalTerm.Params(cfg.prox_mu)))

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from client_agent import dp_sgd
-from client_agent.pieces import EVAL_BATCH, builtin_pieces
+from client_agent.pieces import EVAL_BATCH, LoopOwner, Telemetry, builtin_pieces
 from fairfl.config import ExperimentConfig
 from fairfl.data import DataSignature, FederatedData
 from fairfl.models import build_run_model
 from fairfl.params import DeviceCache, ParamLayout, flatten_on_device, load_flat, synchronize, to_device, to_host
-from fairfl.privacy import check_randomness, dp_seed
+from fairfl.privacy import check_randomness
 from fairfl.procedure import LocalProcedure, LocalState, resolve_procedures
 from fairfl.protocol import EVALUATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
@@ -115,61 +115,85 @@ class ClientRuntime:
 
     def _train(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
         """Local training: one loop (`_run_steps`) composed of the task's pieces (built-in algorithms, then user
-        procedures); DP-SGD tasks take `_train_dp`."""
-        cfg = task.train
-        if cfg.HasField("dp"):
-            self._train_dp(task, c, x0, out)
-            return
-        pieces = self._pieces(cfg)  # first: a task naming a procedure this agent cannot run fails before any work
-        n = len(c.y_train)
-        batch = min(cfg.batch_size, n)
-        steps = _local_steps(cfg, n, batch)
-        if not cfg.skip_losses:  # F_i(x_t) and Acc_i(x_t); skipped (NaN: withheld) when no one reads them
-            out.loss_before, accuracy_before = self._loss_and_accuracy(c, cfg.loss_eval_batches, batch, task.seed)
-            out.metrics["accuracy_before"] = accuracy_before  # % on local training data at x_t (FairFed's Acc_i)
-        state = self._local_state(task, c, x0, steps, batch)
+        procedures; a DP-SGD task's one piece, DpSgd, draws the batches and computes the gradients)."""
+        pieces = self._pieces(task.train)  # first: a task this agent cannot (or must not) run fails before any work
+        state = self._local_state(task, c, x0)
+        telemetry = _telemetry(task.train, pieces)
+        self._measure_before(c, state, telemetry, out)
         train_loss, mean_lr = self._run_steps(state, pieces)
         state.update = flatten_on_device(self.model) - x0  # x_K − x_t, computed on the device where both are
         out.payloads[UPDATE] = to_host(state.update)
-        if not cfg.skip_losses:
-            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
-        out.metrics["train_loss"] = train_loss
-        out.metrics["local_steps"] = float(steps)
-        out.metrics["lr"] = mean_lr
+        for owner in _owners(pieces):
+            owner.release(state, out)
+        self._report(c, state, telemetry, train_loss, mean_lr, out)
         for piece in pieces:
             piece.finish(state, out)
 
     def _pieces(self, cfg: federation_pb2.LocalTrainingConfig) -> list[LocalProcedure]:
-        """The task's built-in pieces in their fixed order, then its user procedures in the order listed."""
+        """The task's built-in pieces in their fixed order, then its user procedures in the order listed (a DP-SGD
+        task: DpSgd alone, after its checks, which refuse user procedures)."""
 
         def fetch(ref: tensor_pb2.BlobRef) -> torch.Tensor:
             return self.resident.get(ref.sha256, self.resolve_blob(ref))
 
-        return builtin_pieces(cfg, self.model, self.layout, fetch) + resolve_procedures(cfg)
+        return builtin_pieces(cfg, self.model, self.layout, fetch, self.dp_randomness) + resolve_procedures(cfg)
 
-    def _local_state(
-        self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, steps: int, batch: int
-    ) -> LocalState:
-        """The loop's state at x_t: the model, its optimiser and the client's data."""
+    def _local_state(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor) -> LocalState:
+        """The loop's state at x_t: the model, its optimiser, the client's data and the step budget."""
+        cfg, n = task.train, len(c.y_train)
+        batch = min(cfg.batch_size, n)
         params = list(self.model.parameters())
         return LocalState(
-            config=task.train,
+            config=cfg,
             model=self.model,
             params=params,
-            optimizer=_optimizer(task.train, params),
+            optimizer=_optimizer(cfg, params),
             x0=x0,
             x_train=c.x_train,
             y_train=c.y_train,
             device=self.device,
-            steps=steps,
+            steps=_local_steps(cfg, n, batch),
             batch_size=batch,
-            base_lr=task.train.lr,
-            lr=task.train.lr,
+            base_lr=cfg.lr,
+            lr=cfg.lr,
             seed=task.seed,
         )
 
+    def _measure_before(self, c: _ClientTensors, state: LocalState, telemetry: Telemetry, out: ClientResult) -> None:
+        """F_i(x_t) and Acc_i(x_t) (% on local training data: FairFed's Acc_i) from one pass, as far as released;
+        skipped (NaN: withheld) when no one reads them (skip_losses) or under DP-SGD without plaintext_telemetry."""
+        if not telemetry.losses:
+            return
+        out.loss_before, accuracy_before = self._loss_and_accuracy(
+            c, state.config.loss_eval_batches, state.batch_size, state.seed
+        )
+        if telemetry.accuracy:
+            out.metrics["accuracy_before"] = accuracy_before
+
+    def _report(
+        self,
+        c: _ClientTensors,
+        state: LocalState,
+        telemetry: Telemetry,
+        train_loss: float,
+        mean_lr: float,
+        out: ClientResult,
+    ) -> None:
+        """The loop's own results after training: F_i(x_K) and the mean training loss (when released), the step
+        count and the mean step size."""
+        if telemetry.losses:
+            out.loss_after = self._mean_loss(c, state.config.loss_eval_batches, state.batch_size, state.seed)
+        if telemetry.train_loss:
+            out.metrics["train_loss"] = train_loss
+        out.metrics["local_steps"] = float(state.steps)
+        out.metrics["lr"] = mean_lr
+
     def _run_steps(self, state: LocalState, pieces: list[LocalProcedure]) -> tuple[float, float]:
-        """The local steps, each calling the pieces' hooks at their points; (mean training loss, mean step size)."""
+        """The local steps, each calling the pieces' hooks at their points; (mean training loss, mean step size).
+
+        A step's batch is the next slice of a fresh permutation per epoch, unless a piece draws it (draw_batch).
+        The training loss is Σ step losses / Σ their counts: batch means counting 1 each (the mean over steps), or
+        a gradient owner's per-sample sums counting its samples."""
         hooks = _Hooks(pieces)
         n, batch = len(state.y_train), state.batch_size
         gen = torch.Generator().manual_seed(state.seed)
@@ -178,110 +202,26 @@ class ClientRuntime:
         # Summed on the device in float64, in step order: the same number as adding float(loss) on the host, without
         # waiting for the device every step.
         loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+        counted = 0
         lr_sum = 0.0
         for piece in pieces:
             piece.begin(state)
         state.model.train()
         for step in range(state.steps):
-            if position + batch > len(order):  # new epoch: fresh permutation (CPU generator: same on every device)
-                order = to_device(torch.randperm(n, generator=gen), state.device)
-                position = 0
-            idx = order[position : position + batch]
-            position += batch
+            idx = _drawn_batch(state, hooks)
+            if idx is None:
+                if position + batch > len(order):  # new epoch: fresh permutation (CPU generator: same on every device)
+                    order = to_device(torch.randperm(n, generator=gen), state.device)
+                    position = 0
+                idx = order[position : position + batch]
+                position += batch
             state.step, state.inputs, state.targets = step, state.x_train[idx], state.y_train[idx]
-            loss_sum += _step(state, hooks).detach()
+            loss, count = _step(state, hooks)
+            loss_sum += loss.detach()
+            counted += count
             lr_sum += state.lr
         steps = max(state.steps, 1)
-        return float(loss_sum) / steps, lr_sum / steps if hooks.step_lr else state.base_lr
-
-    def _train_dp(self, task: federation_pb2.Task, c: _ClientTensors, x0: torch.Tensor, out: ClientResult) -> None:
-        """FedFDP's LOCAL (Alg. 2): K DP-SGD steps on Poisson(q) batches with fair clipping, then the noisy loss.
-
-        λ = dp.fair_lambda (0 = standard DP-SGD), F = fair_step.global_loss (0 without one). Optimiser, momentum,
-        weight decay and lr apply to the noisy gradient (post-processing). See client_agent/dp_sgd.py.
-        """
-        cfg, dp = task.train, task.train.dp
-        _check_dp_task(cfg)
-        n = len(c.y_train)
-        batch = min(cfg.batch_size, n)
-        # Noiseless training losses leave only as opted-in experiment telemetry (not private); otherwise NaN = withheld.
-        telemetry = dp.plaintext_telemetry
-        if telemetry:
-            out.loss_before = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
-        seeds = [dp_seed(self.dp_randomness, task.seed, purpose) for purpose in range(4)]
-        sample_gen, noise_gen, loss_sample_gen, loss_noise_gen = (torch.Generator().manual_seed(s) for s in seeds)
-        last_batch, loss_sum, sampled = self._dp_steps(cfg, c, sample_gen, noise_gen)
-        out.payloads[UPDATE] = to_host(flatten_on_device(self.model) - x0)
-        if dp.loss_noise_multiplier > 0:
-            self._release_noisy_loss(dp, c, last_batch, loss_sample_gen, loss_noise_gen, out)
-        if telemetry:
-            out.loss_after = self._mean_loss(c, cfg.loss_eval_batches, batch, task.seed)
-            out.metrics["train_loss"] = float(loss_sum) / max(sampled, 1)
-        out.metrics["local_steps"] = float(cfg.local_steps)
-        out.metrics["lr"] = cfg.lr
-
-    def _dp_steps(
-        self,
-        cfg: federation_pb2.LocalTrainingConfig,
-        c: _ClientTensors,
-        sample_gen: torch.Generator,
-        noise_gen: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The K DP-SGD steps; (the last batch's indices, Σ training losses on the device, samples drawn)."""
-        dp, model, n = cfg.dp, self.model, len(c.y_train)
-        params = dict(model.named_parameters())
-        opt = _optimizer(cfg, params.values())
-        anchor = {k: p.detach().clone() for k, p in params.items()} if cfg.prox_mu > 0 else None
-        global_loss = cfg.fair_step.global_loss if cfg.HasField("fair_step") else 0.0
-        idx = torch.empty(0, dtype=torch.long)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # telemetry only: read once, if asked
-        sampled = 0
-        model.train()
-        for _ in range(cfg.local_steps):
-            idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, sample_gen), self.device)
-            prox = None
-            if anchor is not None:  # FedProx's μ(w − x_t), added to each per-sample gradient before clipping
-                prox = {k: cfg.prox_mu * (p.detach() - anchor[k]) for k, p in params.items()}
-            clipped = dp_sgd.clipped_gradient_sum(
-                model, c.x_train[idx], c.y_train[idx], dp.clip_norm, dp.fair_lambda, global_loss, prox
-            )
-            noise = dp_sgd.gaussian_like(clipped.sums, dp.noise_multiplier * dp.clip_norm, noise_gen)
-            divisor = dp_sgd.normalizer(dp, n, clipped.batch)
-            opt.zero_grad(set_to_none=False)
-            for k, p in params.items():
-                p.grad = (clipped.sums[k] + noise[k]) / divisor
-            opt.step()
-            loss_sum += clipped.loss_total
-            sampled += clipped.batch
-        return idx, loss_sum, sampled
-
-    def _release_noisy_loss(
-        self,
-        dp: federation_pb2.DpSgd,
-        c: _ClientTensors,
-        last_batch: torch.Tensor,
-        sample_gen: torch.Generator,
-        noise_gen: torch.Generator,
-        out: ClientResult,
-    ) -> None:
-        """FedFDP's noisy loss F̃ at the trained model (Alg. 2 lines 22–28), on an independent Poisson batch (§2.6 a,
-        so Theorem 3 applies) or, with shared_loss_batch, on the last gradient batch."""
-        n = len(c.y_train)
-        clip = max(dp.loss_clip, dp.loss_clip_min)
-        idx = last_batch
-        if not dp.shared_loss_batch:
-            idx = to_device(dp_sgd.poisson_sample(n, dp.sample_rate, sample_gen), self.device)
-        self.model.eval()
-        out.noisy_loss = dp_sgd.noisy_loss(
-            self.model,
-            c.x_train[idx],
-            c.y_train[idx],
-            clip,
-            dp.loss_noise_multiplier,
-            dp_sgd.normalizer(dp, n, len(idx)),
-            noise_gen,
-        )
-        out.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)
+        return float(loss_sum) / max(counted, 1), lr_sum / steps if hooks.step_lr else state.base_lr
 
     def _probe(self, task: federation_pb2.Task, c: _ClientTensors, out: ClientResult) -> None:
         cfg = task.probe
@@ -350,6 +290,9 @@ class _Hooks:
         def overriding(hook: str) -> list[LocalProcedure]:
             return [p for p in pieces if getattr(type(p), hook) is not getattr(LocalProcedure, hook)]
 
+        owners = _owners(pieces)
+        self.draw_batch = [p for p in owners if type(p).draw_batch is not LoopOwner.draw_batch]
+        self.gradient = owners[0] if owners else None
         self.wants_features = overriding("wants_features")
         self.after_forward = overriding("after_forward")
         self.objective = overriding("objective")
@@ -358,22 +301,37 @@ class _Hooks:
         self.after_step = overriding("after_step")
 
 
-def _step(state: LocalState, hooks: _Hooks) -> torch.Tensor:
-    """One local step on state's batch (forward, objective, backward, gradient rewrites, step size, optimiser
-    step), calling the pieces' hooks at their points; the batch's cross-entropy."""
-    model, opt = state.model, state.optimizer
-    if any(p.wants_features(state) for p in hooks.wants_features):
-        state.features, state.logits = state.forward_with_features(state.inputs)
+def _owners(pieces: list[LocalProcedure]) -> list[LoopOwner]:
+    """The task's gradient owner (built-in, internal hooks: see client_agent.pieces.LoopOwner), if any."""
+    owners = [p for p in pieces if isinstance(p, LoopOwner)]
+    if len(owners) > 1 or (owners and len(pieces) > 1):
+        raise ValueError(f"a task's {type(owners[0]).__name__} runs alone; got {len(pieces)} pieces")
+    return owners
+
+
+def _telemetry(cfg: federation_pb2.LocalTrainingConfig, pieces: list[LocalProcedure]) -> Telemetry:
+    """Which of the loop's noiseless measurements leave: the gradient owner's choice, else all unless skip_losses."""
+    owners = _owners(pieces)
+    return owners[0].telemetry(cfg) if owners else Telemetry(losses=not cfg.skip_losses)
+
+
+def _drawn_batch(state: LocalState, hooks: _Hooks) -> torch.Tensor | None:
+    """This step's indices from the first piece that draws them, or None for the loop's shuffled epochs."""
+    for p in hooks.draw_batch:
+        idx = p.draw_batch(state)
+        if idx is not None:
+            return idx
+    return None
+
+
+def _step(state: LocalState, hooks: _Hooks) -> tuple[torch.Tensor, int]:
+    """One local step on state's batch (the gradient, its rewrites, step size, optimiser step), calling the pieces'
+    hooks at their points; (the step's training loss, how many it counts: 1 for a batch mean)."""
+    opt = state.optimizer
+    if hooks.gradient is not None:
+        loss, count = hooks.gradient.gradient(state)
     else:
-        state.features, state.logits = None, model(state.inputs)
-    for p in hooks.after_forward:
-        p.after_forward(state)
-    loss = state.loss = F.cross_entropy(state.logits, state.targets)
-    objective = loss
-    for p in hooks.objective:
-        objective = p.objective(state, objective)
-    opt.zero_grad()  # to None: backward then writes the gradient instead of adding it to zeros
-    objective.backward()
+        loss, count = _backward(state, hooks), 1
     for p in hooks.after_backward:
         p.after_backward(state)
     for p in hooks.step_lr:
@@ -385,6 +343,23 @@ def _step(state: LocalState, hooks: _Hooks) -> torch.Tensor:
     opt.step()
     for p in hooks.after_step:
         p.after_step(state)
+    return loss, count
+
+
+def _backward(state: LocalState, hooks: _Hooks) -> torch.Tensor:
+    """The loop's own gradient: forward, objective, backward into p.grad; the batch's cross-entropy."""
+    if any(p.wants_features(state) for p in hooks.wants_features):
+        state.features, state.logits = state.forward_with_features(state.inputs)
+    else:
+        state.features, state.logits = None, state.model(state.inputs)
+    for p in hooks.after_forward:
+        p.after_forward(state)
+    loss = state.loss = F.cross_entropy(state.logits, state.targets)
+    objective = loss
+    for p in hooks.objective:
+        objective = p.objective(state, objective)
+    state.optimizer.zero_grad()  # to None: backward then writes the gradient instead of adding it to zeros
+    objective.backward()
     return loss
 
 
@@ -398,20 +373,3 @@ def _optimizer(cfg: federation_pb2.LocalTrainingConfig, params: Iterable[torch.T
     if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
-def _check_dp_task(cfg: federation_pb2.LocalTrainingConfig) -> None:
-    """A DP-SGD task releases the noisy update and loss only: refuse settings that would release more."""
-    dp = cfg.dp
-    if cfg.WhichOneof("budget") != "local_steps":
-        raise ValueError("DP-SGD needs local_steps: epochs are not Poisson-sampled steps")
-    if not 0 < dp.sample_rate <= 1 or dp.noise_multiplier <= 0 or dp.clip_norm <= 0:
-        raise ValueError(
-            f"invalid DP-SGD settings: sample_rate={dp.sample_rate}, noise_multiplier={dp.noise_multiplier}, "
-            f"clip_norm={dp.clip_norm}"
-        )
-    if cfg.HasField("alignment") or cfg.record_first_step or cfg.want_bias_update or cfg.want_activation:
-        raise ValueError("DP-SGD tasks cannot also release alignment steps, bias updates or activations")
-    if cfg.procedures:  # their hooks would see the non-private per-batch gradients and losses
-        refs = ", ".join(spec.ref for spec in cfg.procedures)
-        raise ValueError(f"train.procedures: DP-SGD tasks cannot run local procedures ({refs})")

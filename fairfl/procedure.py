@@ -3,12 +3,13 @@
 A client's TRAIN task runs one loop (client_agent/trainer.py): for each step, draw a batch, forward, loss, backward,
 optimiser step. Every algorithm that changes what happens on the client is a `LocalProcedure` plugged into that
 loop: FairFL's own pieces (FedProx's proximal term, FedEBA+'s gradient alignment, FedFair's per-step lr,
-Equitable-FL's activation capture, HiCS-FL's bias capture, FedEBA+'s first-step record) and any user's. A strategy
-puts a user procedure on a task with `attach_procedure(train_config, MyProcedure, params)`; the task then carries
-`ProcedureSpec{ref, params}` (the procedure's registered name or `package.module:attr`, and its declared parameters
-as a Struct), so a new client-side algorithm needs no proto change. The agent resolves the reference through
-`PROCEDURES` (this process's registrations, then entry points of group `fairfl.procedures`, then the import path),
-builds one instance per task from the parsed parameters and calls its hooks in the order of the loop:
+Equitable-FL's activation capture, HiCS-FL's bias capture, FedEBA+'s first-step record, FedFDP's DP-SGD) and any
+user's. A strategy puts a user procedure on a task with `attach_procedure(train_config, MyProcedure, params)`; the
+task then carries `ProcedureSpec{ref, params}` (the procedure's registered name or `package.module:attr`, and its
+declared parameters as a Struct), so a new client-side algorithm needs no proto change. The agent resolves the
+reference through `PROCEDURES` (this process's registrations, then entry points of group `fairfl.procedures`, then
+the import path), builds one instance per task from the parsed parameters and calls its hooks in the order of the
+loop:
 
     begin(state)                          once, before the first step (optimizer and model at x_t ready)
     per step:
@@ -23,7 +24,11 @@ builds one instance per task from the parsed parameters and calls its hooks in t
 Hooks run in task order: FairFL's built-in pieces first (in the order above), then `procedures` as listed. A
 procedure's parameters are a dataclass `Params` whose fields all have defaults; they are checked with the
 config's validation (unknown keys, types, the dataclass's own `validate(path)`) on the aggregator when attached and
-again on the agent when the task arrives. Procedures run on the non-private path only: a DP-SGD task refuses them.
+again on the agent when the task arrives.
+
+Procedures run on the non-private path only: a DP-SGD task refuses them. Its one piece (client_agent.pieces.DpSgd)
+draws the Poisson batches and writes the clipped, noised gradient itself, through hooks internal to FairFL's
+built-in pieces (client_agent.pieces.LoopOwner), not part of this API.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ imported, is not a LocalProcedure, or gets bad parameters fails with an error na
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
+from client_agent.pieces import DpSgd, builtin_pieces
 from client_agent.trainer import ClientRuntime
 from fairfl.config import ConfigError, experiment_from_dict
 from fairfl.data import load_run_data
@@ -200,6 +203,55 @@ def test_dp_sgd_tasks_refuse_procedures() -> None:
     attach_procedure(task.train, SCALE)
     with pytest.raises(ValueError, match=r"train\.procedures: DP-SGD tasks cannot run local procedures"):
         _runtime().run(task)
+
+
+def _dp_task() -> federation_pb2.Task:
+    task = _task()
+    task.train.dp.sample_rate = 0.5
+    task.train.dp.noise_multiplier = 1.0
+    task.train.dp.clip_norm = 1.0
+    return task
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: setattr(c, "local_epochs", 1), "DP-SGD needs local_steps"),
+        (lambda c: setattr(c.dp, "sample_rate", 1.5), "invalid DP-SGD settings: sample_rate=1.5"),
+        (lambda c: setattr(c.dp, "noise_multiplier", 0.0), "invalid DP-SGD settings"),
+        (lambda c: setattr(c.dp, "clip_norm", 0.0), "invalid DP-SGD settings"),
+        (lambda c: setattr(c.alignment, "alpha", 0.5), "cannot also release alignment steps"),
+        (lambda c: setattr(c, "record_first_step", True), "cannot also release"),
+        (lambda c: setattr(c, "want_bias_update", True), "cannot also release"),
+        (lambda c: setattr(c, "want_activation", True), "cannot also release"),
+        (lambda c: c.procedures.add(ref="no.such.module:Thing"), r"cannot run local procedures \(no\.such"),
+    ],
+)
+def test_dp_sgd_tasks_refuse_what_would_release_more(change: Callable[[Any], Any], message: str) -> None:
+    task = _dp_task()
+    change(task.train)
+    with pytest.raises(ValueError, match=message):
+        _runtime().run(task)
+
+
+def test_a_dp_sgd_task_is_one_piece_of_the_loop_that_releases_only_noisy_values() -> None:
+    task = _dp_task()
+    task.train.prox_mu = 0.1  # folded into DpSgd's per-sample gradients: no ProximalTerm or FairStep beside it
+    task.train.fair_step.global_loss = 1.0
+    task.train.dp.fair_lambda = 0.5
+    task.train.dp.loss_noise_multiplier = 1.0
+    task.train.dp.loss_clip = 2.0
+    runtime = _runtime()
+    pieces = builtin_pieces(task.train, runtime.model, runtime.layout, lambda ref: None, "task")
+    assert [type(p) for p in pieces] == [DpSgd]
+    private = runtime.run(task)
+    assert math.isnan(private.loss_before) and math.isnan(private.loss_after) and math.isfinite(private.noisy_loss)
+    assert list(private.metrics) == ["loss_clip", "local_steps", "lr"]  # no noiseless training loss or accuracy
+    task.train.dp.plaintext_telemetry = True  # opted-in experiment telemetry: the noiseless losses, no accuracy
+    telemetry = runtime.run(task)
+    assert math.isfinite(telemetry.loss_before) and math.isfinite(telemetry.loss_after)
+    assert list(telemetry.metrics) == ["loss_clip", "train_loss", "local_steps", "lr"]
+    assert torch.equal(telemetry.payloads[UPDATE], private.payloads[UPDATE])  # 'task' randomness: same draws
 
 
 def test_a_step_size_hook_sets_the_lr_until_changed_and_the_lr_metric_is_the_mean() -> None:
