@@ -262,7 +262,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
                 round=1,
                 num_to_select=1,
                 candidates=[0, 1],
-                method=clustering_pb2.SELECTION_METHOD_RANDOM,
+                sampler="random",
             )
             record("agent_reads_the_ledger", call(privacy_pb2_grpc.PrivacyStub(privacy_a).GetSpend, spend))
             record("agent_selects_clients", call(clustering_pb2_grpc.ClusteringStub(clustering_a).Select, select))

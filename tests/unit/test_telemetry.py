@@ -389,7 +389,7 @@ def test_clustering_service_exports_clusters_nmi_and_selection_time() -> None:
                     round=1,
                     num_to_select=2,
                     candidates=[1, 2, 3],
-                    method=clustering_pb2.SELECTION_METHOD_RANDOM,
+                    sampler="random",
                     seed=0,
                 ),
                 timeout=10,
