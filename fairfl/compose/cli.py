@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from fairfl.compose.compare import add_compare_parser
+from fairfl.compose.monitor import MonitorError
 from fairfl.compose.results import RunRecorder
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
 from fairfl.rpc_security import TransportSecurity, add_transport_arguments
@@ -240,6 +241,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
     except RunNotStarted as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except MonitorError as err:  # Prometheus would not start; the services this command started are stopped
+        print(f"error: --monitor: {err}", file=sys.stderr)
         return 2
     return 0 if result.get("state") == "RUN_STATE_COMPLETED" else 1
 

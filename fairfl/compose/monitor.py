@@ -93,6 +93,7 @@ class Prometheus:
         binary = prometheus_binary()
         if binary is None:
             raise MonitorError(f"prometheus not found on PATH; {INSTALL_HINT}")
+        directory = directory.resolve()  # Prometheus runs in it: a relative path would be read from inside itself
         config = write_config(directory, targets, scrape_interval)
         prometheus = cls(directory, free_port(port))
         with prometheus.log_path.open("wb") as log:

@@ -13,12 +13,15 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from fairfl.compose.launcher import LocalCluster
 from fairfl.compose.monitor import Prometheus, prometheus_binary
@@ -204,3 +207,25 @@ def test_prometheus_evaluates_every_fairfl_rule(observed: Observed) -> None:
     )
     assert all(rule["health"] == "ok" for rule in observed.rules), [r for r in observed.rules if r["health"] != "ok"]
     assert not [r for r in observed.rules if r.get("state") == "firing"]  # a healthy short run raises no alert
+
+
+@pytest.mark.skipif(prometheus_binary() is None, reason=NO_PROMETHEUS)
+def test_fairfl_run_monitor_works_the_way_make_monitor_runs_it(tmp_path: Path) -> None:
+    """`make monitor` is `fairfl run CONFIG --monitor` from the checkout, writing to the default relative output
+    directory (runs/<id>/): Prometheus must find its config there (it once looked for the relative path inside its
+    own working directory and `make monitor` failed on a fresh clone)."""
+    (tmp_path / "experiment.yaml").write_text(yaml.safe_dump({**CONFIG.to_dict(), "output_dir": "runs"}))
+    fairfl = Path(sys.executable).parent / "fairfl"
+    done = subprocess.run(
+        [str(fairfl), "run", "experiment.yaml", "--monitor", "--monitor-hold", "0"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "results.json").read_text())["state"] == "RUN_STATE_COMPLETED"
+    assert (run_dir / "monitor" / "prometheus.yml").is_file()
+    assert "Error loading config" not in (run_dir / "monitor" / "prometheus.log").read_text()
