@@ -26,35 +26,39 @@ from fairfl.v1 import common_pb2 as fairfl_dot_v1_dot_common__pb2
 from fairfl.v1 import tensor_pb2 as fairfl_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x61irfl/v1/control.proto\x12\tfairfl.v1\x1a\x16\x66\x61irfl/v1/common.proto\x1a\x16\x66\x61irfl/v1/tensor.proto\":\n\x0fStartRunRequest\x12\x17\n\x0f\x65xperiment_yaml\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"0\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x91\x01\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.fairfl.v1.RunState\x12\r\n\x05round\x18\x03 \x01(\r\x12\x14\n\x0ctotal_rounds\x18\x04 \x01(\r\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x1a\n\x12registered_clients\x18\x06 \x01(\r\"\x9a\x02\n\x0e\x46\x61irnessReport\x12\x0c\n\x04mean\x18\x01 \x01(\x01\x12\x10\n\x08variance\x18\x02 \x01(\x01\x12\x0b\n\x03std\x18\x03 \x01(\x01\x12\x0f\n\x07worst_5\x18\x04 \x01(\x01\x12\x10\n\x08worst_10\x18\x05 \x01(\x01\x12\x0e\n\x06\x62\x65st_5\x18\x06 \x01(\x01\x12\x0f\n\x07\x62\x65st_10\x18\x07 \x01(\x01\x12\x12\n\njain_index\x18\x08 \x01(\x01\x12\n\n\x02\x63v\x18\t \x01(\x01\x12\x19\n\x11weighted_accuracy\x18\n \x01(\x01\x12\x11\n\tmean_loss\x18\x0b \x01(\x01\x12\x15\n\rloss_variance\x18\x0c \x01(\x01\x12\x19\n\x11\x65valuated_clients\x18\r \x01(\r\x12\x17\n\x0fmissing_clients\x18\x0e \x01(\r\"Z\n\x10\x43lientEvaluation\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63uracy\x18\x02 \x01(\x01\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\"\xd6\x03\n\nRoundEvent\x12\r\n\x05round\x18\x01 \x01(\r\x12\x10\n\x08selected\x18\x02 \x03(\r\x12\x18\n\x10results_accepted\x18\x03 \x01(\r\x12\x18\n\x10results_rejected\x18\x04 \x01(\r\x12\x14\n\x0cresults_late\x18\x05 \x01(\r\x12\x18\n\x10\x64uration_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fmean_train_loss\x18\x07 \x01(\x01\x12\x1b\n\x13\x61ggregation_weights\x18\x08 \x03(\x01\x12\x11\n\tevaluated\x18\t \x01(\x08\x12+\n\x08\x66\x61irness\x18\n \x01(\x0b\x32\x19.fairfl.v1.FairnessReport\x12,\n\x07\x63lients\x18\x0b \x03(\x0b\x32\x1b.fairfl.v1.ClientEvaluation\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x15\n\repsilon_spent\x18\r \x01(\x01\x12+\n\x10strategy_metrics\x18\x0e \x03(\x0b\x32\x11.fairfl.v1.Metric\x12*\n\x08\x63lusters\x18\x0f \x03(\x0b\x32\x18.fairfl.v1.ClientCluster\x12\x19\n\x11selection_seconds\x18\x10 \x01(\x01\"G\n\rClientCluster\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07\x63luster\x18\x02 \x01(\x05\x12\x12\n\ntrue_group\x18\x03 \x01(\x05\"s\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x14.fairfl.v1.RunStatusH\x00\x12&\n\x05round\x18\x03 \x01(\x0b\x32\x15.fairfl.v1.RoundEventH\x00\x42\x07\n\x05\x65vent*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x03\x12\x15\n\x11RUN_STATE_STOPPED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xbb\x02\n\nRunControl\x12<\n\x08StartRun\x12\x1a.fairfl.v1.StartRunRequest\x1a\x14.fairfl.v1.RunStatus\x12\x38\n\x06GetRun\x12\x18.fairfl.v1.GetRunRequest\x1a\x14.fairfl.v1.RunStatus\x12=\n\x08WatchRun\x12\x1a.fairfl.v1.WatchRunRequest\x1a\x13.fairfl.v1.RunEvent0\x01\x12:\n\x07StopRun\x12\x19.fairfl.v1.StopRunRequest\x1a\x14.fairfl.v1.RunStatus\x12:\n\nFetchModel\x12\x18.fairfl.v1.GetRunRequest\x1a\x10.fairfl.v1.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x61irfl/v1/control.proto\x12\tfairfl.v1\x1a\x16\x66\x61irfl/v1/common.proto\x1a\x16\x66\x61irfl/v1/tensor.proto\"\x11\n\x0fListRunsRequest\"3\n\rListRunsReply\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.fairfl.v1.RunStatus\":\n\x0fStartRunRequest\x12\x17\n\x0f\x65xperiment_yaml\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"0\n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8a\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.fairfl.v1.RunState\x12\r\n\x05round\x18\x03 \x01(\r\x12\x14\n\x0ctotal_rounds\x18\x04 \x01(\r\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x1a\n\x12registered_clients\x18\x06 \x01(\r\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x10\n\x08strategy\x18\x08 \x01(\t\x12\x14\n\x0cstarted_unix\x18\t \x01(\x01\x12\x12\n\nended_unix\x18\n \x01(\x01\x12\x14\n\x0cmodel_sha256\x18\x0b \x01(\t\x12\x17\n\x0f\x65xperiment_yaml\x18\x0c \x01(\t\"\x9a\x02\n\x0e\x46\x61irnessReport\x12\x0c\n\x04mean\x18\x01 \x01(\x01\x12\x10\n\x08variance\x18\x02 \x01(\x01\x12\x0b\n\x03std\x18\x03 \x01(\x01\x12\x0f\n\x07worst_5\x18\x04 \x01(\x01\x12\x10\n\x08worst_10\x18\x05 \x01(\x01\x12\x0e\n\x06\x62\x65st_5\x18\x06 \x01(\x01\x12\x0f\n\x07\x62\x65st_10\x18\x07 \x01(\x01\x12\x12\n\njain_index\x18\x08 \x01(\x01\x12\n\n\x02\x63v\x18\t \x01(\x01\x12\x19\n\x11weighted_accuracy\x18\n \x01(\x01\x12\x11\n\tmean_loss\x18\x0b \x01(\x01\x12\x15\n\rloss_variance\x18\x0c \x01(\x01\x12\x19\n\x11\x65valuated_clients\x18\r \x01(\r\x12\x17\n\x0fmissing_clients\x18\x0e \x01(\r\"Z\n\x10\x43lientEvaluation\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63uracy\x18\x02 \x01(\x01\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\"\xd6\x03\n\nRoundEvent\x12\r\n\x05round\x18\x01 \x01(\r\x12\x10\n\x08selected\x18\x02 \x03(\r\x12\x18\n\x10results_accepted\x18\x03 \x01(\r\x12\x18\n\x10results_rejected\x18\x04 \x01(\r\x12\x14\n\x0cresults_late\x18\x05 \x01(\r\x12\x18\n\x10\x64uration_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fmean_train_loss\x18\x07 \x01(\x01\x12\x1b\n\x13\x61ggregation_weights\x18\x08 \x03(\x01\x12\x11\n\tevaluated\x18\t \x01(\x08\x12+\n\x08\x66\x61irness\x18\n \x01(\x0b\x32\x19.fairfl.v1.FairnessReport\x12,\n\x07\x63lients\x18\x0b \x03(\x0b\x32\x1b.fairfl.v1.ClientEvaluation\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12\x15\n\repsilon_spent\x18\r \x01(\x01\x12+\n\x10strategy_metrics\x18\x0e \x03(\x0b\x32\x11.fairfl.v1.Metric\x12*\n\x08\x63lusters\x18\x0f \x03(\x0b\x32\x18.fairfl.v1.ClientCluster\x12\x19\n\x11selection_seconds\x18\x10 \x01(\x01\"G\n\rClientCluster\x12\x11\n\tclient_id\x18\x01 \x01(\r\x12\x0f\n\x07\x63luster\x18\x02 \x01(\x05\x12\x12\n\ntrue_group\x18\x03 \x01(\x05\"s\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x14.fairfl.v1.RunStatusH\x00\x12&\n\x05round\x18\x03 \x01(\x0b\x32\x15.fairfl.v1.RoundEventH\x00\x42\x07\n\x05\x65vent*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x03\x12\x15\n\x11RUN_STATE_STOPPED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xfd\x02\n\nRunControl\x12<\n\x08StartRun\x12\x1a.fairfl.v1.StartRunRequest\x1a\x14.fairfl.v1.RunStatus\x12\x38\n\x06GetRun\x12\x18.fairfl.v1.GetRunRequest\x1a\x14.fairfl.v1.RunStatus\x12=\n\x08WatchRun\x12\x1a.fairfl.v1.WatchRunRequest\x1a\x13.fairfl.v1.RunEvent0\x01\x12:\n\x07StopRun\x12\x19.fairfl.v1.StopRunRequest\x1a\x14.fairfl.v1.RunStatus\x12:\n\nFetchModel\x12\x18.fairfl.v1.GetRunRequest\x1a\x10.fairfl.v1.Chunk0\x01\x12@\n\x08ListRuns\x12\x1a.fairfl.v1.ListRunsRequest\x1a\x18.fairfl.v1.ListRunsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fairfl.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNSTATE']._serialized_start=1453
-  _globals['_RUNSTATE']._serialized_end=1606
-  _globals['_STARTRUNREQUEST']._serialized_start=86
-  _globals['_STARTRUNREQUEST']._serialized_end=144
-  _globals['_GETRUNREQUEST']._serialized_start=146
-  _globals['_GETRUNREQUEST']._serialized_end=177
-  _globals['_WATCHRUNREQUEST']._serialized_start=179
-  _globals['_WATCHRUNREQUEST']._serialized_end=212
-  _globals['_STOPRUNREQUEST']._serialized_start=214
-  _globals['_STOPRUNREQUEST']._serialized_end=262
-  _globals['_RUNSTATUS']._serialized_start=265
-  _globals['_RUNSTATUS']._serialized_end=410
-  _globals['_FAIRNESSREPORT']._serialized_start=413
-  _globals['_FAIRNESSREPORT']._serialized_end=695
-  _globals['_CLIENTEVALUATION']._serialized_start=697
-  _globals['_CLIENTEVALUATION']._serialized_end=787
-  _globals['_ROUNDEVENT']._serialized_start=790
-  _globals['_ROUNDEVENT']._serialized_end=1260
-  _globals['_CLIENTCLUSTER']._serialized_start=1262
-  _globals['_CLIENTCLUSTER']._serialized_end=1333
-  _globals['_RUNEVENT']._serialized_start=1335
-  _globals['_RUNEVENT']._serialized_end=1450
-  _globals['_RUNCONTROL']._serialized_start=1609
-  _globals['_RUNCONTROL']._serialized_end=1924
+  _globals['_RUNSTATE']._serialized_start=1646
+  _globals['_RUNSTATE']._serialized_end=1799
+  _globals['_LISTRUNSREQUEST']._serialized_start=86
+  _globals['_LISTRUNSREQUEST']._serialized_end=103
+  _globals['_LISTRUNSREPLY']._serialized_start=105
+  _globals['_LISTRUNSREPLY']._serialized_end=156
+  _globals['_STARTRUNREQUEST']._serialized_start=158
+  _globals['_STARTRUNREQUEST']._serialized_end=216
+  _globals['_GETRUNREQUEST']._serialized_start=218
+  _globals['_GETRUNREQUEST']._serialized_end=249
+  _globals['_WATCHRUNREQUEST']._serialized_start=251
+  _globals['_WATCHRUNREQUEST']._serialized_end=284
+  _globals['_STOPRUNREQUEST']._serialized_start=286
+  _globals['_STOPRUNREQUEST']._serialized_end=334
+  _globals['_RUNSTATUS']._serialized_start=337
+  _globals['_RUNSTATUS']._serialized_end=603
+  _globals['_FAIRNESSREPORT']._serialized_start=606
+  _globals['_FAIRNESSREPORT']._serialized_end=888
+  _globals['_CLIENTEVALUATION']._serialized_start=890
+  _globals['_CLIENTEVALUATION']._serialized_end=980
+  _globals['_ROUNDEVENT']._serialized_start=983
+  _globals['_ROUNDEVENT']._serialized_end=1453
+  _globals['_CLIENTCLUSTER']._serialized_start=1455
+  _globals['_CLIENTCLUSTER']._serialized_end=1526
+  _globals['_RUNEVENT']._serialized_start=1528
+  _globals['_RUNEVENT']._serialized_end=1643
+  _globals['_RUNCONTROL']._serialized_start=1802
+  _globals['_RUNCONTROL']._serialized_end=2183
 # @@protoc_insertion_point(module_scope)

@@ -24,6 +24,16 @@ RUN_STATE_COMPLETED: RunState
 RUN_STATE_STOPPED: RunState
 RUN_STATE_FAILED: RunState
 
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRunsReply(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
+
 class StartRunRequest(_message.Message):
     __slots__ = ("experiment_yaml", "run_id")
     EXPERIMENT_YAML_FIELD_NUMBER: _ClassVar[int]
@@ -53,20 +63,32 @@ class StopRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "round", "total_rounds", "message", "registered_clients")
+    __slots__ = ("run_id", "state", "round", "total_rounds", "message", "registered_clients", "name", "strategy", "started_unix", "ended_unix", "model_sha256", "experiment_yaml")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    EXPERIMENT_YAML_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     round: int
     total_rounds: int
     message: str
     registered_clients: int
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., message: _Optional[str] = ..., registered_clients: _Optional[int] = ...) -> None: ...
+    name: str
+    strategy: str
+    started_unix: float
+    ended_unix: float
+    model_sha256: str
+    experiment_yaml: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., round: _Optional[int] = ..., total_rounds: _Optional[int] = ..., message: _Optional[str] = ..., registered_clients: _Optional[int] = ..., name: _Optional[str] = ..., strategy: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., model_sha256: _Optional[str] = ..., experiment_yaml: _Optional[str] = ...) -> None: ...
 
 class FairnessReport(_message.Message):
     __slots__ = ("mean", "variance", "std", "worst_5", "worst_10", "best_5", "best_10", "jain_index", "cv", "weighted_accuracy", "mean_loss", "loss_variance", "evaluated_clients", "missing_clients")

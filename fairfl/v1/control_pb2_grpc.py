@@ -60,6 +60,11 @@ class RunControlStub:
                 request_serializer=fairfl_dot_v1_dot_control__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=fairfl_dot_v1_dot_tensor__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/fairfl.v1.RunControl/ListRuns',
+                request_serializer=fairfl_dot_v1_dot_control__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=fairfl_dot_v1_dot_control__pb2.ListRunsReply.FromString,
+                _registered_method=True)
 
 
 class RunControlServicer:
@@ -97,6 +102,13 @@ class RunControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRuns(self, request, context):
+        """Every run this aggregator knows (this process's runs, newest first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +136,11 @@ def add_RunControlServicer_to_server(servicer, server):
                     servicer.FetchModel,
                     request_deserializer=fairfl_dot_v1_dot_control__pb2.GetRunRequest.FromString,
                     response_serializer=fairfl_dot_v1_dot_tensor__pb2.Chunk.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=fairfl_dot_v1_dot_control__pb2.ListRunsRequest.FromString,
+                    response_serializer=fairfl_dot_v1_dot_control__pb2.ListRunsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +278,33 @@ class RunControl:
             '/fairfl.v1.RunControl/FetchModel',
             fairfl_dot_v1_dot_control__pb2.GetRunRequest.SerializeToString,
             fairfl_dot_v1_dot_tensor__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fairfl.v1.RunControl/ListRuns',
+            fairfl_dot_v1_dot_control__pb2.ListRunsRequest.SerializeToString,
+            fairfl_dot_v1_dot_control__pb2.ListRunsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,18 +60,42 @@ PAYLOAD_KIND_GRADIENT: PayloadKind
 PAYLOAD_KIND_FIRST_STEP_UPDATE: PayloadKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("agent_name", "client_ids", "device", "version", "shared")
+    __slots__ = ("agent_name", "client_ids", "device", "version", "shared", "data_signature", "client_data")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    DATA_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_DATA_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     client_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
     version: str
     shared: bool
-    def __init__(self, agent_name: _Optional[str] = ..., client_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
+    data_signature: DataSignature
+    client_data: _containers.RepeatedCompositeFieldContainer[ClientData]
+    def __init__(self, agent_name: _Optional[str] = ..., client_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., shared: _Optional[bool] = ..., data_signature: _Optional[_Union[DataSignature, _Mapping]] = ..., client_data: _Optional[_Iterable[_Union[ClientData, _Mapping]]] = ...) -> None: ...
+
+class DataSignature(_message.Message):
+    __slots__ = ("input_shape", "num_classes", "feature_names")
+    INPUT_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    input_shape: _containers.RepeatedScalarFieldContainer[int]
+    num_classes: int
+    feature_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, input_shape: _Optional[_Iterable[int]] = ..., num_classes: _Optional[int] = ..., feature_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClientData(_message.Message):
+    __slots__ = ("client_id", "num_train", "num_test")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAIN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TEST_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    num_train: int
+    num_test: int
+    def __init__(self, client_id: _Optional[int] = ..., num_train: _Optional[int] = ..., num_test: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("agent_id", "heartbeat_interval_seconds", "poll_wait_seconds")
