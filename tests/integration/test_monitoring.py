@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -213,19 +214,63 @@ def test_prometheus_evaluates_every_fairfl_rule(observed: Observed) -> None:
 def test_fairfl_run_monitor_works_the_way_make_monitor_runs_it(tmp_path: Path) -> None:
     """`make monitor` is `fairfl run CONFIG --monitor` from the checkout, writing to the default relative output
     directory (runs/<id>/): Prometheus must find its config there (it once looked for the relative path inside its
-    own working directory and `make monitor` failed on a fresh clone)."""
+    own working directory and `make monitor` failed on a fresh clone), scrape every process, and serve the run's
+    fairness through its HTTP API while the command holds the services up after the run."""
     (tmp_path / "experiment.yaml").write_text(yaml.safe_dump({**CONFIG.to_dict(), "output_dir": "runs"}))
     fairfl = Path(sys.executable).parent / "fairfl"
-    done = subprocess.run(
-        [str(fairfl), "run", "experiment.yaml", "--monitor", "--monitor-hold", "0"],
+    command = subprocess.Popen(
+        [str(fairfl), "run", "experiment.yaml", "--monitor", "--monitor-hold", "60"],
         cwd=tmp_path,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    assert json.loads((run_dir / "results.json").read_text())["state"] == "RUN_STATE_COMPLETED"
+    try:
+        url = _prometheus_url_when_held(command)
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        results = json.loads((run_dir / "results.json").read_text())
+        assert results["state"] == "RUN_STATE_COMPLETED"
+        prometheus = Prometheus(run_dir / "monitor", port=int(url.rsplit(":", 1)[1]))
+        up = _until(lambda: prometheus.query("up"), lambda s: len(s) == 4 and all(v == 1.0 for _, v in s))
+        jobs = sorted(labels["job"] for labels, _ in up)
+        assert jobs == ["fairfl-agent", "fairfl-aggregator", "fairfl-clustering", "fairfl-privacy"]
+        run_id = run_dir.name
+        final = results["final_fairness"]
+        expected = final["variance"] / 100**2  # exported in ratio² (Prometheus base units); results.json holds %²
+        variance = _until(
+            lambda: prometheus.query(f'fairfl_fairness_accuracy_variance{{run_id="{run_id}"}}'),
+            lambda s: len(s) == 1 and math.isclose(s[0][1], expected, rel_tol=1e-9),
+        )
+        assert len(variance) == 1 and math.isclose(variance[0][1], expected, rel_tol=1e-9), (variance, final)
+    finally:
+        command.send_signal(signal.SIGINT)
+        _out, err = command.communicate(timeout=60)
+    assert "Traceback" not in err, err[-3000:]
     assert (run_dir / "monitor" / "prometheus.yml").is_file()
     assert "Error loading config" not in (run_dir / "monitor" / "prometheus.log").read_text()
+
+
+def _prometheus_url_when_held(command: subprocess.Popen[str], timeout: float = 240.0) -> str:
+    """Read the command's output until it says the services are held up after the run; the Prometheus URL it named."""
+    assert command.stdout is not None
+    deadline = time.monotonic() + timeout
+    url, lines = "", []
+    for line in command.stdout:
+        lines.append(line)
+        if line.startswith("monitoring: Prometheus at "):
+            url = line.split()[3]
+        if "services and Prometheus stay up" in line:
+            assert url, "".join(lines)
+            return url
+        assert time.monotonic() < deadline, "".join(lines)
+    assert command.stderr is not None
+    raise AssertionError("the command ended before holding the services up: " + "".join(lines) + command.stderr.read())
+
+
+def _until(read: Any, done: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = read()
+    return value
