@@ -34,6 +34,8 @@ import torch
 
 from fairfl import codec, telemetry
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
+from fairfl.model_file import MODEL_FILE_NAME, ModelFileError, save_run_model
+from fairfl.params import ParamLayout
 from fairfl.v1 import checkpoint_pb2, control_pb2
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class RoundEngine(Protocol):
     @property
     def selector(self) -> Any: ...
 
+    layout: ParamLayout
     params: torch.Tensor
     task_key: bytes
     failed_rounds: int
@@ -242,11 +245,8 @@ class Loaded:
         return self.checkpoint.run_id
 
 
-def load(directory: Path) -> Loaded | None:
-    """The run's checkpoint, or None when the directory holds none. Raises CheckpointError when it is unusable."""
-    path = directory / CHECKPOINT_FILE
-    if not path.exists():
-        return None
+def read_checkpoint(path: Path) -> tuple[checkpoint_pb2.Checkpoint, ExperimentConfig]:
+    """One checkpoint file and its experiment config; CheckpointError naming the file when it is unusable."""
     checkpoint = checkpoint_pb2.Checkpoint()
     try:
         checkpoint.ParseFromString(path.read_bytes())
@@ -260,6 +260,15 @@ def load(directory: Path) -> Loaded | None:
         config = experiment_from_yaml(checkpoint.experiment_yaml)
     except ConfigError as err:
         raise CheckpointError(f"{path}: its experiment config no longer validates: {err}") from err
+    return checkpoint, config
+
+
+def load(directory: Path) -> Loaded | None:
+    """The run's checkpoint, or None when the directory holds none. Raises CheckpointError when it is unusable."""
+    path = directory / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    checkpoint, config = read_checkpoint(path)
     rounds, offset = _read_events(directory / EVENTS_FILE, checkpoint.events)
     pending: checkpoint_pb2.PendingRound | None = checkpoint_pb2.PendingRound()
     pending_path = directory / PENDING_FILE
@@ -306,7 +315,7 @@ class RunCheckpointer:
     def start_fresh(self, engine: RoundEngine | None = None) -> None:
         """A new run in this directory: no earlier files may leak into it. With `engine`, its starting point is saved
         (round 0), so a run killed before its first round completed resumes too (its authorised round 1 included)."""
-        for name in (CHECKPOINT_FILE, EVENTS_FILE, PENDING_FILE):
+        for name in (CHECKPOINT_FILE, EVENTS_FILE, PENDING_FILE, MODEL_FILE_NAME):
             (self.directory / name).unlink(missing_ok=True)
         if engine is not None:
             self._write(engine)
@@ -333,8 +342,21 @@ class RunCheckpointer:
             self._write(engine)
 
     def finished(self, engine: RoundEngine, state: int, message: str) -> None:
-        """Mark the run ended, so a restarted aggregator does not resume it."""
+        """Mark the run ended, so a restarted aggregator does not resume it; its model (that of its last completed
+        round) goes to model.safetensors beside the checkpoint (fairfl.model_file)."""
         self._write(engine, final=(control_pb2.RunState.Name(state), message))  # type: ignore[arg-type]
+        if engine.completed_round > 0:
+            try:
+                save_run_model(
+                    self.directory / MODEL_FILE_NAME,
+                    engine.config,
+                    self.run_id,
+                    engine.completed_round,
+                    engine.layout,
+                    engine.params,
+                )
+            except (ModelFileError, ConfigError) as err:  # the checkpoint stands; `fairfl model export` reads it
+                log.error("run %s: model file not written: %s", self.run_id, err)
 
     def _write(self, engine: RoundEngine, final: tuple[str, str] | None = None) -> None:
         state = {

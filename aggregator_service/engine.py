@@ -202,6 +202,8 @@ class RoundEngine:
         self.stop = stop or threading.Event()
         # The client signatures the strategy and the sampler declare must be ones the model can give.
         self.layout, self.params = initial_model(config, signature_needs(config))
+        # The model of the last completed (reported) round: what an ended run keeps (see _end).
+        self.reported_params = self.params
         # What the selection method needs from rounds (signatures, probes, updates); see aggregator_service.selection.
         self.selection = SelectionDriver(config, selector, self.layout.numel)
         self.strategy: Strategy = build_strategy(
@@ -239,8 +241,9 @@ class RoundEngine:
 
     def run(self) -> RunSummary:
         cfg = self.config
-        self.transport.start_run(self.run_id, cfg, self.layout)
+        self.reported_params = self.params  # a resumed run's: the checkpoint's model
         try:
+            self.transport.start_run(self.run_id, cfg, self.layout)
             resuming = f"resuming after round {self.start_round - 1}: " if self.start_round > 1 else ""
             self._status(control_pb2.RUN_STATE_PENDING, f"{resuming}waiting for {cfg.data.num_clients} clients")
             self.transport.wait_for_clients(cfg.data.num_clients, cfg.runtime.register_timeout_s, self.stop)
@@ -273,7 +276,10 @@ class RoundEngine:
                     close()
 
     def _end(self, state: int, message: str) -> None:
-        """Mark the checkpoint final (a restarted aggregator must not resume an ended run), then report."""
+        """Mark the checkpoint final (a restarted aggregator must not resume an ended run), then report. A run that
+        ended inside a round (stopped or failed after aggregating) keeps the model of its last completed round, the
+        one its last RoundEvent's model_sha256 names: that is the model it is fetched, saved and resumed with."""
+        self.params = self.reported_params
         if self.checkpointer is not None:
             try:
                 self.checkpointer.finished(self, state, message)
@@ -359,11 +365,34 @@ class RoundEngine:
         )
         phases, complete = self._exchange(ctx, model_ref, quorum, event)
         self.selection.observe(self.run_id, train_results(phases))
-        if complete and phases:
+        aggregated = complete and bool(phases)
+        if aggregated:
             self._aggregate(ctx, phases, event)
         self._evaluate_if_due(round_number, event)
         self._report_round(round_number, event, started)
+        self._log_round(event, aggregated)
         self._check_failed_rounds(round_number, event)
+
+    def _log_round(self, event: control_pb2.RoundEvent, aggregated: bool) -> None:
+        """One INFO line per round: what an operator following the aggregator's log needs to see it progress."""
+        parts = [
+            f"run {self.run_id} round {event.round}/{self.config.rounds}: {len(set(event.selected))} selected, "
+            f"{event.results_accepted} accepted, {event.results_rejected} rejected, {event.results_late} late"
+        ]
+        if event.evaluated:
+            f = event.fairness
+            parts.append(
+                f"accuracy mean {f.mean:.2f}% worst-5% {f.worst_5:.2f}% over {f.evaluated_clients} clients"
+                + (f" ({f.missing_clients} missing)" if f.missing_clients else "")
+            )
+        if not aggregated:
+            parts.append("model kept")
+        elif math.isfinite(event.mean_train_loss):
+            parts.append(f"train loss {event.mean_train_loss:.4f}")
+        parts.append(f"{event.duration_seconds:.2f}s")
+        if self.config.privacy.enabled:
+            parts.append(f"ε {event.epsilon_spent:.4g}")
+        log.info("; ".join(parts))
 
     def _select(self, round_number: int, model_ref: tensor_pb2.BlobRef) -> tuple[list[int], int, int, float]:
         """The round's clients (a replayed selection after a restart), the live candidates they were drawn from, the
@@ -522,6 +551,7 @@ class RoundEngine:
         event.model_sha256 = self._publish_params().sha256
         event.duration_seconds = time.monotonic() - started
         self.completed_round = round_number
+        self.reported_params = self.params
         if self.checkpointer is not None:  # saved before anyone hears of the round: a reported round is never lost
             self.checkpointer.completed(self, event)
         self.on_event(control_pb2.RunEvent(run_id=self.run_id, round=event))

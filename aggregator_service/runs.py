@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ class _Run:
     events: list[control_pb2.RunEvent] = field(default_factory=list)
     thread: threading.Thread | None = None
     engine: RoundEngine | None = None
+    stop_reason: str = ""  # what StopRun was told, added to the message of the run's STOPPED status
+    last_round: int = 0  # the newest completed round (its RoundEvent recorded): what RunStatus.round reports
 
 
 class RunManager:
@@ -96,10 +99,16 @@ class RunManager:
                 state=control_pb2.RUN_STATE_PENDING,
                 total_rounds=config.rounds,
                 round=resume.checkpoint.round if resume else 0,
+                name=config.name,
+                strategy=config.strategy.name,
+                started_unix=time.time(),
             )
             run = _Run(run_id, config, threading.Event(), status)
             if resume is not None:  # watchers get the run's history first, as if it had never stopped
                 run.events = [control_pb2.RunEvent(run_id=run_id, round=r) for r in resume.rounds]
+                run.last_round = resume.checkpoint.round
+                if resume.rounds:
+                    status.model_sha256 = resume.rounds[-1].model_sha256
             self.runs[run_id] = run
         if earlier is not None and earlier.thread is not None:
             earlier.thread.join(30)  # the failed attempt's engine is done once it has closed its transport run
@@ -117,6 +126,7 @@ class RunManager:
             with self.cond:
                 run.status.state = control_pb2.RUN_STATE_FAILED
                 run.status.message = f"could not start: {type(err).__name__}: {err}"
+                run.status.ended_unix = time.time()
                 self.cond.notify_all()
             raise RunStartError(run.status.message) from err
         run.engine = engine
@@ -126,12 +136,49 @@ class RunManager:
 
     def _record(self, run: _Run, event: control_pb2.RunEvent) -> None:
         with self.cond:
-            run.events.append(event)
             if event.HasField("status"):
+                event = self._with_run_fields(run, event)
                 run.status = _copy(event.status)  # the stored event must never change afterwards
+                if event.status.state in TERMINAL:
+                    log.info(
+                        "run %s ended: %s after round %d/%d: %s",
+                        run.run_id,
+                        control_pb2.RunState.Name(event.status.state).removeprefix("RUN_STATE_"),
+                        event.status.round,
+                        event.status.total_rounds,
+                        event.status.message,
+                    )
             elif event.HasField("round"):
-                run.status.round = event.round.round
+                run.last_round = run.status.round = event.round.round
+                if event.round.model_sha256:
+                    run.status.model_sha256 = event.round.model_sha256
+            run.events.append(event)
             self.cond.notify_all()
+
+    @staticmethod
+    def _with_run_fields(run: _Run, event: control_pb2.RunEvent) -> control_pb2.RunEvent:
+        """A copy of the engine's status event with what the manager knows of the run: its newest completed round (a
+        run stopped during round n reports n - 1), name, strategy, start and end times, newest model, and the reason a
+        stop was requested for."""
+        out = control_pb2.RunEvent()
+        out.CopyFrom(event)
+        status, known = out.status, run.status
+        status.round = run.last_round
+        status.name, status.strategy = known.name, known.strategy
+        status.started_unix = known.started_unix
+        if not status.model_sha256:
+            status.model_sha256 = known.model_sha256
+        if status.state in TERMINAL:
+            status.ended_unix = status.ended_unix or time.time()
+            if status.state == control_pb2.RUN_STATE_STOPPED and run.stop_reason:
+                status.message = f"{status.message}: {run.stop_reason}" if status.message else run.stop_reason
+        return out
+
+    def listing(self) -> list[control_pb2.RunStatus]:
+        """Snapshots of every run this manager knows, newest first (by start time)."""
+        with self.cond:
+            runs = [_copy(r.status) for r in self.runs.values()]
+        return sorted(runs, key=lambda s: s.started_unix, reverse=True)
 
     def get(self, run_id: str) -> _Run:
         with self.cond:
@@ -162,6 +209,9 @@ class RunManager:
 
     def stop(self, run_id: str, reason: str) -> control_pb2.RunStatus:
         run = self.get(run_id)
+        with self.cond:
+            if run.status.state not in TERMINAL and not run.stop.is_set():
+                run.stop_reason = reason
         run.stop.set()
         if self.on_stop is not None:
             self.on_stop()
@@ -215,8 +265,13 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
             refuse(context, SERVICE_NAME, "unknown", grpc.StatusCode.NOT_FOUND, str(err.args[0]))
 
     def GetRun(self, request: control_pb2.GetRunRequest, context: grpc.ServicerContext):
-        self._run(request.run_id, context)
-        return self.manager.status(request.run_id)
+        run = self._run(request.run_id, context)
+        status = self.manager.status(request.run_id)
+        status.experiment_yaml = run.config.to_yaml()
+        return status
+
+    def ListRuns(self, request: control_pb2.ListRunsRequest, context: grpc.ServicerContext):
+        return control_pb2.ListRunsReply(runs=self.manager.listing())
 
     def WatchRun(self, request: control_pb2.WatchRunRequest, context: grpc.ServicerContext):
         self._run(request.run_id, context)
@@ -245,4 +300,5 @@ class RunControlServicer(control_pb2_grpc.RunControlServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"run {request.run_id} has no model yet; retry in a moment",
             )
-        yield from engine.layout.encode(engine.params).chunks(CHUNK_BYTES)
+        # The model the newest RoundEvent names (not one aggregated mid-round and not yet reported).
+        yield from engine.layout.encode(engine.reported_params).chunks(CHUNK_BYTES)

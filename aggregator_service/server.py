@@ -29,7 +29,7 @@ from aggregator_service.runs import RunControlServicer, RunManager
 from fairfl import telemetry, tls
 from fairfl.announce import announcement
 from fairfl.config import ExperimentConfig
-from fairfl.logs import configure_logging
+from fairfl.logs import add_log_format_argument, configure_logging
 from fairfl.privacy import process_randomness
 from fairfl.rpc_guard import IDLE_TIMEOUT_S, AccessPolicy, add_limit_arguments, check_limits
 from fairfl.rpc_security import TransportSecurity, add_transport_arguments, transport_from_args
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         help="privacy service address; empty = non-private runs only (a DP run is refused)",
     )
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
+    add_log_format_argument(parser)
     parser.add_argument(
         "--threads",
         type=int,
@@ -188,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     add_limit_arguments(parser)
     add_reliability_arguments(parser)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except ValueError as err:  # FAIRFL_LOG_FORMAT names no format
+        parser.error(str(err))
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     if not args.clustering:
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("could not resume the unfinished run in %s", options.checkpoint_dir)
     # Launchers asking for port 0 read the bound ports from this line.
     print(announcement(running.port, metrics), flush=True)
-    serve_until_signal(running, SERVICE_NAMES)
+    serve_until_signal(running, SERVICE_NAMES, before_drain=aggregator.state.shut_down)
     return 0
 
 

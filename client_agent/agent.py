@@ -3,6 +3,12 @@
 The loop is register → long-poll tasks → fetch the model by sha256 (cached) → run the local procedure → send the
 result back (client_agent.uploads). Any connection failure leads to a re-registration with exponential backoff, so an
 agent survives aggregator restarts and network blips without losing its clients.
+
+With `--data SPEC` (env FAIRFL_DATA) the agent serves its clients from data only it holds (fairfl.data.site): it
+opens the site at start, reports the data's signature and each client's sample counts in every registration, and
+serves runs whose dataset is at the sites (`data.dataset: site`) from it; the aggregator never learns a path. A
+registration the aggregator refuses (FAILED_PRECONDITION: the site's data does not fit the run) is said once and
+tried again every REFUSED_RETRY_S.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ import torch
 
 from client_agent.dp_sgd import DpPolicy, PolicyRefusal
 from client_agent.faults import DropPlan
-from client_agent.trainer import ClientRuntime, resolve_device
+from client_agent.trainer import ClientRuntime, LocalData, resolve_device
 from client_agent.uploads import BUSY_RETRY_PAUSES_S, ResultUploader
 from fairfl import __version__, codec, fetch, framing, telemetry, tls
 from fairfl.announce import announcement
-from fairfl.config import ConfigError, experiment_from_yaml
-from fairfl.data import load_run_data
-from fairfl.logs import configure_logging
+from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
+from fairfl.data import DataSignature, FederatedData, load_run_data, resolve_dataset, run_signature
+from fairfl.data.site import SiteData, SiteDataError, open_site
+from fairfl.logs import add_log_format_argument, configure_logging
 from fairfl.privacy import RANDOMNESS, RANDOMNESS_ENV, check_randomness
 from fairfl.protocol import ClientResult
 from fairfl.rpc import INLINE_BLOB_BYTES, SHORT_DEADLINE, TRANSFER_DEADLINE
@@ -44,8 +51,11 @@ log = logging.getLogger(__name__)
 FEDERATION = federation_pb2.DESCRIPTOR.services_by_name["Federation"].full_name
 MODEL_CACHE_SIZE = 4
 MAX_TASKS_PER_POLL = 64
+STOP_CHECK_S = 0.2  # how often a waiting long poll looks whether the agent was told to stop
 STOP_GRACE_S = 10.0  # how long a stopping agent waits for its last result to be answered
 FETCH_STREAMS = fetch.FETCH_STREAMS  # concurrent FetchBlob range streams for one large model
+REFUSED_RETRY_S = 30.0  # a refused registration (the site's data does not fit the run) is tried again this often
+DATA_ENV = "FAIRFL_DATA"
 
 
 def parse_client_ids(text: str) -> list[int]:
@@ -69,8 +79,10 @@ class Agent:
         security: TransportSecurity | None = None,
         faults: DropPlan | None = None,
         shared: bool = False,
+        site: SiteData | None = None,
     ) -> None:
         self.client_ids = client_ids
+        self.site = site  # the data this agent holds (--data), or None: simulations only
         self.shared = shared  # co-hosts its clients with other agents (simulations: runtime.placement replicated)
         self.faults = faults  # tests only: clients that drop out of each round
         # The DP releases of the newest round with their tasks: a task sent again (the aggregator restarted and
@@ -102,21 +114,28 @@ class Agent:
 
     # -- connection ---------------------------------------------------------------------------------------------
 
+    def register_request(self) -> federation_pb2.RegisterRequest:
+        """This agent's registration: its clients and, for a site, its data's signature and sample counts."""
+        request = federation_pb2.RegisterRequest(
+            agent_name=self.name,
+            client_ids=self.client_ids,
+            device=str(self.device),
+            version=__version__,
+            shared=self.shared,
+        )
+        if self.site is not None:
+            request.data_signature.CopyFrom(signature_message(self.site.signature))
+            for cid in self.client_ids:
+                split = self.site.clients[cid]
+                request.client_data.add(client_id=cid, num_train=len(split.train), num_test=len(split.test))
+        return request
+
     def _register(self) -> None:
         backoff = 0.1
+        refused = ""  # the aggregator's last refusal, said once
         while not self.stop.is_set():
             try:
-                reply = self.stub.Register(
-                    federation_pb2.RegisterRequest(
-                        agent_name=self.name,
-                        client_ids=self.client_ids,
-                        device=str(self.device),
-                        version=__version__,
-                        shared=self.shared,
-                    ),
-                    timeout=SHORT_DEADLINE,
-                    wait_for_ready=True,
-                )
+                reply = self.stub.Register(self.register_request(), timeout=SHORT_DEADLINE, wait_for_ready=True)
                 self.agent_id = reply.agent_id
                 telemetry.AGENT_REGISTRATIONS.inc()
                 self.heartbeat_interval = reply.heartbeat_interval_seconds or 5.0
@@ -124,6 +143,16 @@ class Agent:
                 log.info("registered as %s with %d clients on %s", self.agent_id[:8], len(self.client_ids), self.device)
                 return
             except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the site's data does not fit the run
+                    if err.details() != refused:
+                        refused = err.details() or ""
+                        log.error(
+                            "registration refused (FAILED_PRECONDITION): %s (trying again every %.0fs)",
+                            refused,
+                            REFUSED_RETRY_S,
+                        )
+                    self.stop.wait(REFUSED_RETRY_S)
+                    continue
                 # Jittered: agents cut off by one aggregator restart must not all come back in lockstep.
                 pause = backoff * random.uniform(0.5, 1.0)
                 log.warning("register failed (%s); retrying in %.1fs", err.code().name, pause)
@@ -152,16 +181,9 @@ class Agent:
             self.uploads.finish()  # a batch's results are answered before asking for more work
             polled = time.monotonic()
             try:
-                reply = self.stub.PollTasks(
-                    federation_pb2.PollRequest(
-                        agent_id=self.agent_id,
-                        max_tasks=MAX_TASKS_PER_POLL,
-                        wait_seconds=self.poll_wait,
-                        inline_blob_bytes=INLINE_BLOB_BYTES,
-                        cached_sha256=list(self.models),
-                    ),
-                    timeout=self.poll_wait + SHORT_DEADLINE,
-                )
+                reply = self._poll()
+            except grpc.FutureCancelledError:  # stopping: the long poll was given up
+                break
             except grpc.RpcError as err:
                 if refused_as_busy(err):  # over this certificate's share of calls: still registered, ask again soon
                     log.info("poll refused as busy (%s); polling again shortly", err.details())
@@ -184,6 +206,26 @@ class Agent:
         self.uploads.finish(timeout=STOP_GRACE_S)  # stopping: inside a pod's termination grace period
         self.uploads.close()
 
+    def _poll(self) -> federation_pb2.PollReply:
+        """One long poll, given up (cancelled) as soon as the agent is told to stop rather than at its end."""
+        call = self.stub.PollTasks.future(
+            federation_pb2.PollRequest(
+                agent_id=self.agent_id,
+                max_tasks=MAX_TASKS_PER_POLL,
+                wait_seconds=self.poll_wait,
+                inline_blob_bytes=INLINE_BLOB_BYTES,
+                cached_sha256=list(self.models),
+            ),
+            timeout=self.poll_wait + SHORT_DEADLINE,
+        )
+        answered = threading.Event()
+        call.add_done_callback(lambda _call: answered.set())
+        while not answered.wait(STOP_CHECK_S):
+            if self.stop.is_set():
+                call.cancel()
+                break
+        return call.result()
+
     # -- tasks --------------------------------------------------------------------------------------------------
 
     def _runtime(self, run_id: str) -> ClientRuntime:
@@ -194,8 +236,13 @@ class Agent:
             spec = self.stub.GetRunSpec(federation_pb2.RunSpecRequest(run_id=run_id), timeout=SHORT_DEADLINE)
             try:
                 config = experiment_from_yaml(spec.experiment_yaml)
-                data = load_run_data(config)
-                hosted = [c for c in self.client_ids if c < data.num_clients]
+                if getattr(resolve_dataset(config.data.dataset), "at_sites", False):
+                    data: LocalData | FederatedData = self._site_data(config)
+                    num_clients = config.data.num_clients
+                else:
+                    data = load_run_data(config)
+                    num_clients = data.num_clients
+                hosted = [c for c in self.client_ids if c < num_clients]
                 runtime = ClientRuntime(
                     config, data, hosted, self.device, self._fetch_model, self.dp_policy, self.dp_randomness
                 )
@@ -209,6 +256,27 @@ class Agent:
             self.released_round = 0
             log.info("prepared run %s: %d local clients", run_id, len(hosted))
         return runtime
+
+    def _site_data(self, config: ExperimentConfig) -> LocalData:
+        """A run whose data is at the sites: this agent's own clients, for the model of the run's declared signature
+        (ConfigError when this agent holds no site data or its data cannot feed that model)."""
+        if self.site is None:
+            raise ConfigError(
+                f"data.dataset {config.data.dataset!r}: the run's data is at the sites and this agent holds none; "
+                f"start it with --data SPEC (env {DATA_ENV})"
+            )
+        expected, held = run_signature(config), self.site.signature
+        if held.input_shape != expected.input_shape:
+            raise ConfigError(
+                f"data.params.input_shape: the run expects {list(expected.input_shape)}, this site's data (--data) "
+                f"has {list(held.input_shape)}"
+            )
+        if held.num_classes > expected.num_classes:
+            raise ConfigError(
+                f"data.params.num_classes: the run expects at most {expected.num_classes} classes, this site's data "
+                f"(--data) has {held.num_classes}"
+            )
+        return LocalData(expected, self.site.clients)
 
     def _take_inline(self, run_id: str, blobs: Iterable[federation_pb2.InlineBlob]) -> None:
         """Cache the models a poll reply carried, checked as a fetch checks them; one that fails is left to
@@ -342,6 +410,15 @@ class RunUnusable(Exception):
     """This agent cannot take part in a run (its config names what this environment cannot load); said once."""
 
 
+def signature_message(signature: DataSignature) -> federation_pb2.DataSignature:
+    """A DataSignature as the registration carries it (feature names only when the data has them)."""
+    return federation_pb2.DataSignature(
+        input_shape=list(signature.input_shape),
+        num_classes=signature.num_classes,
+        feature_names=list(signature.feature_names or ()),
+    )
+
+
 def _inline_model(blob: federation_pb2.InlineBlob, runtime: ClientRuntime) -> torch.Tensor:
     """An inline model checked for its size, digest format and the run's layout, not hashed again (its reply came over
     mutual TLS); copied out of the reply, which it outlives."""
@@ -384,10 +461,19 @@ def main(argv: list[str] | None = None) -> int:
         help="co-host the client ids with other agents that say so (simulations: every agent holds the whole "
         "federated dataset; each task goes to the least-loaded host); env FAIRFL_SHARED_CLIENTS=1",
     )
+    parser.add_argument(
+        "--data",
+        default=os.environ.get(DATA_ENV, ""),
+        metavar="SPEC",
+        help="serve the clients from this site's own data: a directory of per-client files, one table with "
+        "client_column=..., or a data provider module:attr, then key=value options (docs/federation.md); "
+        f"env {DATA_ENV}",
+    )
     parser.add_argument("--device", default=os.environ.get("FAIRFL_DEVICE", "auto"))
     parser.add_argument("--threads", type=int, default=int(os.environ.get("FAIRFL_THREADS", "1")))
     parser.add_argument("--name", default=os.environ.get("FAIRFL_AGENT_NAME", ""))
     parser.add_argument("--log-level", default=os.environ.get("FAIRFL_LOG_LEVEL", "INFO"))
+    add_log_format_argument(parser)
     parser.add_argument(
         "--dp-randomness",
         choices=RANDOMNESS,
@@ -400,7 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     telemetry.add_metrics_arguments(parser)
     add_transport_arguments(parser, server=False)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except ValueError as err:  # FAIRFL_LOG_FORMAT names another format
+        parser.error(str(err))
     security = transport_from_args(parser, args)
     if args.clients_per_agent and not args.clients:
         ordinal = int(socket.gethostname().rsplit("-", 1)[-1])
@@ -411,6 +500,20 @@ def main(argv: list[str] | None = None) -> int:
         faults = DropPlan.from_args(args)
     except ValueError as err:
         parser.error(str(err))
+    site = None
+    if args.data:
+        try:
+            site = open_site(args.data, client_ids)
+        except SiteDataError as err:
+            print(f"{parser.prog}: --data: {err}", file=sys.stderr)
+            return 2
+        signature = site.signature
+        log.info(
+            "site data: %d clients, input shape %s, %d classes",
+            len(site.clients),
+            list(signature.input_shape),
+            signature.num_classes,
+        )
     torch.set_num_threads(max(1, args.threads))
     try:
         metrics = telemetry.start_from_args(args, "agent")
@@ -429,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         security,
         faults,
         shared=args.shared_clients,
+        site=site,
     )
 
     import signal

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from client_agent import dp_sgd
+from client_agent.rows import row_chunks
 from fairfl.models import model_head
 from fairfl.params import ParamLayout, flatten_on_device, to_device, to_host
 from fairfl.privacy import dp_seed
@@ -148,11 +149,11 @@ class ActivationCapture(LocalProcedure):
     def _vector(self, state: LocalState) -> torch.Tensor:
         mode = self.params.mode
         if mode == federation_pb2.ACTIVATION_MODE_EVAL_PASS:
-            x = state.x_train
+            x = state.x_train  # a device tensor, or an on-disk client's DiskRows (read chunk by chunk)
             state.model.eval()
             total = torch.zeros_like(self.total)
-            for start in range(0, len(x), EVAL_BATCH):
-                hidden = state.head.features(x[start : start + EVAL_BATCH])
+            for chunk in row_chunks(x, EVAL_BATCH):
+                hidden = state.head.features(chunk)
                 total += F.log_softmax(hidden, dim=1).sum(0, dtype=torch.float64)
             return total / len(x)
         if mode == federation_pb2.ACTIVATION_MODE_LOG_SOFTMAX_OF_MEAN:

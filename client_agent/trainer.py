@@ -1,7 +1,11 @@
 """Local procedures of logical clients: train, probe and evaluate. The same code serves both transports.
 
-One `ClientRuntime` per process holds the run's federated data and one reusable model on one device; each task
-loads the global parameters into that model, so hosting many logical clients costs one model's memory.
+One `ClientRuntime` per process holds its clients' data and one reusable model on one device; each task loads the
+global parameters into that model, so hosting many logical clients costs one model's memory. Each client brings its
+own (train, test) sets (`LocalData`): a site's own data (fairfl.data.site), or a simulation's slices of a public
+dataset (`LocalData.of_simulation`, what a FederatedData turns into). In-memory samples are copied to the device once;
+a site's on-disk samples (a memory-mapped .npy) stay on disk and are read a batch at a time (client_agent.rows), so
+an agent can train on more data than it has memory.
 
 On CUDA the host waits for the device only where a value must reach it: a round's global model is copied to the
 device once (pinned staging, non_blocking) and shared by every client trained from it; index batches go up the same
@@ -13,17 +17,20 @@ are exactly those of a plain loop (tests compare gRPC runs bit for bit with the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from client_agent import dp_sgd
 from client_agent.pieces import EVAL_BATCH, LoopOwner, Telemetry, builtin_pieces
+from client_agent.rows import DiskRows, row_chunks, rows_on_device
 from fairfl.config import ExperimentConfig
-from fairfl.data import DataSignature, FederatedData
+from fairfl.data import ArrayDataset, DataSignature, FederatedData
 from fairfl.models import build_run_model
 from fairfl.params import DeviceCache, ParamLayout, flatten_on_device, load_flat, synchronize, to_device, to_host
 from fairfl.privacy import check_randomness
@@ -42,12 +49,60 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+class ClientSplit(Protocol):
+    """One logical client's own data: its training and test sets (fairfl.data.site's SiteClient is one)."""
+
+    @property
+    def train(self) -> ArrayDataset: ...
+
+    @property
+    def test(self) -> ArrayDataset: ...
+
+
+@dataclass(frozen=True)
+class LocalClient:
+    train: ArrayDataset
+    test: ArrayDataset
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """The data a runtime serves: each hosted client's (train, test), and the signature the run's model is built
+    for (the run's declared one: a site may hold fewer classes than the run expects, never other inputs)."""
+
+    signature: DataSignature
+    clients: Mapping[int, ClientSplit]
+
+    @staticmethod
+    def of_simulation(data: FederatedData, client_ids: Iterable[int]) -> LocalData:
+        """A simulation's clients: each one's slices of the pooled public dataset (index copies, in memory)."""
+        clients: dict[int, ClientSplit] = {}
+        for cid in client_ids:
+            if not 0 <= cid < data.num_clients:
+                raise ValueError(f"client id {cid} outside the run's {data.num_clients} clients")
+            tr, te = data.train_indices[cid], data.test_indices[cid]
+            clients[cid] = LocalClient(
+                ArrayDataset(data.train.x[tr], data.train.y[tr], data.num_classes, f"{data.train.name}[{cid}]"),
+                ArrayDataset(data.test.x[te], data.test.y[te], data.num_classes, f"{data.test.name}[{cid}]"),
+            )
+        return LocalData(DataSignature(data.input_shape, data.num_classes), clients)
+
+
 @dataclass
 class _ClientTensors:
-    x_train: torch.Tensor
+    """A client's samples as the loop reads them: on the device, or on disk (DiskRows: read a batch at a time);
+    the labels always on the device."""
+
+    x_train: torch.Tensor | DiskRows
     y_train: torch.Tensor
-    x_test: torch.Tensor
+    x_test: torch.Tensor | DiskRows
     y_test: torch.Tensor
+
+
+def _labels(y: np.ndarray, device: torch.device) -> torch.Tensor:
+    if type(y) is not np.ndarray or not y.flags.writeable:
+        y = np.array(y)  # a memory map or a read-only view: the labels are small, keep a private copy
+    return torch.from_numpy(y).to(device)
 
 
 class ClientRuntime:
@@ -56,7 +111,7 @@ class ClientRuntime:
     def __init__(
         self,
         config: ExperimentConfig,
-        data: FederatedData,
+        data: FederatedData | LocalData,
         client_ids: list[int],
         device: torch.device,
         resolve_blob: BlobResolver,
@@ -68,21 +123,23 @@ class ClientRuntime:
         self.dp_randomness = check_randomness(dp_randomness)  # see fairfl.privacy: 'task' only for simulations
         self.device = device
         self.resolve_blob = resolve_blob
-        signature = DataSignature(data.input_shape, data.num_classes)  # of the data this runtime actually holds
+        if isinstance(data, FederatedData):  # a simulation: clients are slices of one pooled dataset
+            data = LocalData.of_simulation(data, client_ids)
+        signature = data.signature  # the model the run's layout describes
         self.model = build_run_model(config, signature).to(device)
         self.layout = ParamLayout.of(self.model)
         self.resident = DeviceCache(device)  # the round's x_t (and fair gradient), on the device once per version
-        self.num_classes = data.num_classes
+        self.num_classes = signature.num_classes
         self.clients: dict[int, _ClientTensors] = {}
         for cid in client_ids:
-            if not 0 <= cid < data.num_clients:
-                raise ValueError(f"client id {cid} outside the run's {data.num_clients} clients")
-            tr, te = data.train_indices[cid], data.test_indices[cid]
+            split = data.clients.get(cid)
+            if split is None:
+                raise ValueError(f"client id {cid} has no data here (its clients: {sorted(data.clients)})")
             self.clients[cid] = _ClientTensors(
-                x_train=torch.from_numpy(data.train.x[tr]).to(device),
-                y_train=torch.from_numpy(data.train.y[tr]).to(device),
-                x_test=torch.from_numpy(data.test.x[te]).to(device),
-                y_test=torch.from_numpy(data.test.y[te]).to(device),
+                x_train=rows_on_device(split.train.x, device),
+                y_train=_labels(split.train.y, device),
+                x_test=rows_on_device(split.test.x, device),
+                y_test=_labels(split.test.y, device),
             )
 
     def run(self, task: federation_pb2.Task) -> ClientResult:
@@ -271,13 +328,15 @@ class ClientRuntime:
 
     @staticmethod
     @torch.no_grad()
-    def _sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
-        """Summed cross-entropy and number of correct predictions over (x, y) in EVAL_BATCH slices, accumulated on
-        the device (float64 in slice order: the same number as adding each slice's float on the host) and read once."""
-        total = torch.zeros((), dtype=torch.float64, device=x.device)
-        correct = torch.zeros((), dtype=torch.int64, device=x.device)
-        for start in range(0, len(y), EVAL_BATCH):
-            logits = model(x[start : start + EVAL_BATCH])
+    def _sums(model: nn.Module, x: torch.Tensor | DiskRows, y: torch.Tensor) -> tuple[float, int]:
+        """Summed cross-entropy and number of correct predictions over (x, y) in EVAL_BATCH slices (read from disk
+        chunk by chunk for an on-disk client), accumulated on the device (float64 in slice order: the same number as
+        adding each slice's float on the host) and read once."""
+        total = torch.zeros((), dtype=torch.float64, device=y.device)
+        correct = torch.zeros((), dtype=torch.int64, device=y.device)
+        chunks: Iterator[torch.Tensor] = row_chunks(x, EVAL_BATCH)
+        for start, xs in zip(range(0, len(y), EVAL_BATCH), chunks, strict=True):
+            logits = model(xs)
             total += F.cross_entropy(logits, y[start : start + EVAL_BATCH], reduction="sum")
             correct += (logits.argmax(dim=1) == y[start : start + EVAL_BATCH]).sum()
         return float(total), int(correct)

@@ -14,7 +14,7 @@ from clustering_service.servicer import SERVICE_NAME, ClusteringServicer
 from clustering_service.state import StateStore
 from fairfl import telemetry, tls
 from fairfl.announce import announcement
-from fairfl.logs import configure_logging
+from fairfl.logs import add_log_format_argument, configure_logging
 from fairfl.rpc_guard import DEFAULT_WORKERS, AccessPolicy, add_limit_arguments, check_limits
 from fairfl.rpc_security import TransportSecurity, add_transport_arguments, transport_from_args
 from fairfl.rpc_server import RunningServer, serve_until_signal, start_server
@@ -58,11 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         help=f"host:port to listen on; port 0 picks a free one (default: ${BIND_ENV} or {DEFAULT_BIND})",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    add_log_format_argument(parser)
     telemetry.add_metrics_arguments(parser, client_limit=True)
     add_transport_arguments(parser)
     add_limit_arguments(parser, rate=False)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except ValueError as err:  # FAIRFL_LOG_FORMAT names no format
+        parser.error(str(err))
     security = transport_from_args(parser, args)
     policy = dataclasses.replace(ACCESS, max_in_flight=args.max_in_flight, idle_timeout=args.idle_timeout)
     check_limits(parser, policy, DEFAULT_WORKERS)

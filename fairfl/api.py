@@ -31,6 +31,7 @@ from fairfl.data.datasets import ArrayDataset
 from fairfl.data.federated import FederatedData
 from fairfl.data.plugin import DATASETS, DataProvider, DataRequest, Dataset
 from fairfl.data.signature import DataSignature
+from fairfl.data.site import SiteClient, SiteData, SiteDataError, open_site
 from fairfl.fold import ResultFold, sample_weighted
 from fairfl.models import MODELS, Head, HeadError, ModelFactory, model_factory, model_head
 from fairfl.plugins import NoParams, PluginError, Registry
@@ -99,10 +100,14 @@ __all__ = [
     "SelectionInput",
     "SelectionOutput",
     "Signature",
+    "SiteClient",
+    "SiteData",
+    "SiteDataError",
     "Strategy",
     "attach_procedure",
     "model_factory",
     "model_head",
+    "open_site",
     "phase_folds",
     "register_dataset",
     "register_model",

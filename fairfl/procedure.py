@@ -74,7 +74,10 @@ class LocalState:
     params: list[torch.Tensor]  # model.parameters(), in layout order
     optimizer: torch.optim.Optimizer
     x0: torch.Tensor  # the global model x_t, flat, on the device
-    x_train: torch.Tensor  # the client's local training data, on the device
+    # The client's local training data, on the device. For a site's on-disk data (large .npy features, see
+    # fairfl.data.lazy) this is a row reader: `x_train[idx]` reads those rows onto the device, and whole-tensor
+    # operations are not available; index it with batches of row ids.
+    x_train: torch.Tensor
     y_train: torch.Tensor
     device: torch.device
     steps: int  # local steps this task runs

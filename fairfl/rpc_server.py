@@ -149,9 +149,13 @@ def _bind(server: grpc.Server, bind: str, security: TransportSecurity | None) ->
 
 
 def serve_until_signal(
-    running: RunningServer, service_names: Iterable[str], on_stop: Callable[[], None] | None = None
+    running: RunningServer,
+    service_names: Iterable[str],
+    on_stop: Callable[[], None] | None = None,
+    before_drain: Callable[[], None] | None = None,
 ) -> None:
-    """Block until SIGTERM or SIGINT, then report NOT_SERVING, drain in-flight calls and run `on_stop`."""
+    """Block until SIGTERM or SIGINT, then report NOT_SERVING, run `before_drain` (e.g. release long polls), drain
+    in-flight calls and run `on_stop`."""
     import signal
 
     stop = threading.Event()
@@ -164,6 +168,8 @@ def serve_until_signal(
     signal.signal(signal.SIGINT, _handle)
     stop.wait()
     running.set_serving(service_names, False)
+    if before_drain is not None:
+        before_drain()
     running.stop(grace=2.0)
     if on_stop is not None:
         on_stop()

@@ -139,7 +139,8 @@ GRPC_SENT_BYTES = _counter(
 REQUESTS_REFUSED = _counter(
     "requests_refused_total",
     "Requests refused, by gRPC service and reason (a fixed word: role, unauthenticated, rate_limited, concurrency, "
-    "capacity, idle, identity, replay, late, unknown, mismatch, integrity, non_finite, layout, size, malformed; any "
+    "capacity, idle, identity, replay, late, unknown, mismatch, integrity, non_finite, layout, size, malformed, "
+    "data_signature, no_data_signature, client_data; any "
     "other refusal a handler answers counts under its status code in lower case, e.g. not_found, invalid_argument, "
     "failed_precondition, unavailable). TLS handshakes refused for a missing or foreign certificate never become "
     "requests; unary calls with a message over gRPC core's own 8 MiB limit are not counted.",

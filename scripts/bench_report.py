@@ -9,8 +9,8 @@ Each scripts/bench_<name>.py is run as its own process with `--json PATH` (and `
 has it); its output goes to runs/bench/<name>.log. A script writes either a `figures` list (scripts/benchlib.py:
 name, value, unit, optional target {op, value}, key) or flat keys, which an adapter here turns into figures
 (bench_transfer.py's down_gbps / up_gbps ...); a script that is missing is "not run", one that fails is reported with
-its exit status and the tail of its log. The acceptance table lists every acceptance criterion of issue #9 with the
-figure that measures it, its target and pass or fail.
+its exit status and the tail of its log. The acceptance table lists every acceptance criterion of issues #9 and #20
+with the figure that measures it, its target and pass or fail.
 """
 
 from __future__ import annotations
@@ -100,10 +100,17 @@ BENCHMARKS = [
         "7. GPU",
         "Where a GPU is present: the default preset with agents on the GPU, and its utilisation during local training.",
     ),
+    Benchmark(
+        "site_memory",
+        "bench_site_memory.py",
+        "8. Site data larger than memory",
+        "An agent serving a site's own data (`fairfl serve agent --data DIR`, .npy features read from disk with "
+        "os.pread) trains from a site dataset of over 2 GB: its peak resident memory.",
+    ),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}
 
-# Issue #9's acceptance criteria: (benchmark, figure key, criterion). A figure is found by its key.
+# Acceptance criteria of issues #9 and #20: (benchmark, figure key, criterion). A figure is found by its key.
 ACCEPTANCE = [
     ("round", "grpc_over_plain", "Round overhead ≤ 1.15x the plain loop (default preset, 2-core CPU, loopback)"),
     ("wire", "wire_over_raw", "Lossless bytes on the wire ≤ 1.02x raw tensor bytes"),
@@ -112,6 +119,7 @@ ACCEPTANCE = [
     ("aggregation", "peak_ratio_100", "Aggregator peak memory for 100 updates ≤ 2x its memory for 10"),
     ("aggregation", "peak_ratio_1000", "Aggregator peak memory for 1000 updates ≤ 2x its memory for 10"),
     ("scale", "completed", "1000 logical clients: the run completes (time per round and memory in section 5)"),
+    ("site_memory", "agent_peak_rss", "A site dataset of at least 2 GB trains with the agent's peak RSS under 1 GB"),
 ]
 
 
@@ -357,7 +365,7 @@ def _cell(text: str) -> str:
 
 def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> str:
     """The markdown report of `records` (benchmark name -> record)."""
-    lines = ["# Benchmarks (issue #9)", ""]
+    lines = ["# Benchmarks (issues #9 and #20)", ""]
     if quick:
         lines += [
             "**Smoke pass (`make bench BENCH_QUICK=1`): fewer rounds and repeats; these are not the figures.**",
@@ -366,8 +374,8 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
     lines += [
         f"Written by `make bench` (scripts/bench_report.py) on {generated}. Each section gives the command that "
         "produced its figures (run from the repository root; `make bench` runs them all, `python "
-        "scripts/bench_report.py --only NAME` one again) and the machine it ran on. Figures with a target are issue "
-        "#9's acceptance criteria.",
+        "scripts/bench_report.py --only NAME` one again) and the machine it ran on. Figures with a target are issues "
+        "#9 and #20's acceptance criteria.",
         "",
     ]
     machine = next(

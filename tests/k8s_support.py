@@ -19,7 +19,20 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
+# The whole federation in one cluster (the demo: every component, the agents simulate clients from the image's
+# Fashion-MNIST). tests/unit/test_dockerfile.py checks these against the image.
 OVERLAYS = ("dev", "gpu", "monitoring")
+# A real federation, split: the federation's services for agents at the sites, and one site's agent.
+CENTRAL_OVERLAYS = ("central",)
+SITE_OVERLAYS = ("site-example",)
+ALL_OVERLAYS = (*OVERLAYS, *CENTRAL_OVERLAYS, *SITE_OVERLAYS)
+SITE_EXAMPLE = K8S / "overlays" / "site-example"
+# Applied on their own, never by the site's kustomization (deleting the agent's deployment must not delete the data).
+SITE_STANDALONE = (SITE_EXAMPLE / "data-pvc.yaml", SITE_EXAMPLE / "data-loader.yaml")
+SITE_DATA_MOUNT = "/var/lib/fairfl/data"  # where a site agent's data volume is mounted, read-only
+# The Kubernetes version the manifests are validated against (kubernetes-validate's OpenAPI schemas, strict):
+# the oldest that docs/deploy.md supports, and the newest the installed kubernetes-validate bundles.
+KUBERNETES_VERSION = "1.25"
 NAMESPACE = "fairfl"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 PART_OF = {"app.kubernetes.io/part-of": "fairfl"}
@@ -31,6 +44,18 @@ HEALTH_PORTS = {"aggregator": 50061, "clustering": 50062, "privacy": 50063}
 TLS_MOUNT = "/etc/fairfl-tls"
 METRICS_PORTS = {"aggregator": 9091, "clustering": 9092, "privacy": 9093, "agent": 9094}
 COMPONENTS = ("aggregator", "clustering", "privacy", "agent")
+SERVICE_COMPONENTS = ("aggregator", "clustering", "privacy")
+
+
+def overlay_components(name: str) -> set[str]:
+    """The components an overlay (or `base`) deploys."""
+    if name in CENTRAL_OVERLAYS:
+        return set(SERVICE_COMPONENTS)
+    if name in SITE_OVERLAYS:
+        return {"agent"}
+    return set(COMPONENTS)
+
+
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "ReplicaSet", "Pod"}
 
 
@@ -68,6 +93,11 @@ def render(directory: Path | str) -> list[dict[str, Any]]:
 
 def render_overlay(name: str) -> list[dict[str, Any]]:
     return render(K8S / "overlays" / name)
+
+
+def load_manifest(path: Path) -> list[dict[str, Any]]:
+    """The objects of a plain manifest file (one applied with `kubectl apply -f`)."""
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

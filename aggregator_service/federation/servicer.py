@@ -1,6 +1,7 @@
 """The fairfl.v1.Federation servicer: the thin RPC layer over FederationState. Agents register, long-poll for tasks,
 fetch models by sha256 and send results back; every refusal is counted (fairfl.rpc_refusals.refuse) and every
-result goes through FederationState.accept (aggregator_service.federation.admission).
+result goes through FederationState.accept (aggregator_service.federation.admission). A registration whose site data
+does not fit the active run is refused with FAILED_PRECONDITION (aggregator_service.federation.site_check).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from aggregator_service.federation.admission import Rejected
+from aggregator_service.federation.site_check import SiteRefused, SiteReport, site_label
 from aggregator_service.federation.state import MAX_POLL_WAIT_S, FederationState, RegistrationRefused
 from fairfl import codec, rpc_security, telemetry, tls
 from fairfl.framing import CHUNK_BYTES
@@ -73,6 +75,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                     f"{identity.describe()} may host clients {identity.clients and tls.format_ranges(identity.clients)}"
                     f", not {refused}",
                 )
+        site = SiteReport.of(request)
+        label = site_label(request.agent_name, identity.name if identity is not None else None)
         try:
             agent = self.state.register(
                 request.agent_name,
@@ -80,17 +84,33 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 request.device[:MAX_NAME_CHARS],
                 principal=identity.fingerprint if identity is not None else "",
                 shared=request.shared,
+                site=site,
+                label=label,
             )
         except RegistrationRefused as full:
             refuse(context, SERVICE_NAME, "resource_exhausted", grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
-        log.info(
-            "agent %s (%s, %s) registered %d clients%s",
-            agent.agent_id[:8],
-            request.agent_name,
-            request.device[:MAX_NAME_CHARS],
-            len(agent.client_ids),
-            f" as {identity.describe()}" if identity is not None else "",
-        )
+        except SiteRefused as misfit:
+            log.warning("%s", misfit)
+            refuse(context, SERVICE_NAME, misfit.reason, grpc.StatusCode.FAILED_PRECONDITION, str(misfit))
+        if site.given:  # an agent serving its own data (--data): what it holds, in one line
+            log.info(
+                "site %s: %d clients, %d train samples, signature %s (agent %s, %s)",
+                label,
+                len(site.clients),
+                site.train_samples,
+                site.describe(),
+                agent.agent_id[:8],
+                request.device[:MAX_NAME_CHARS],
+            )
+        else:
+            log.info(
+                "agent %s (%s, %s) registered %d clients%s",
+                agent.agent_id[:8],
+                request.agent_name,
+                request.device[:MAX_NAME_CHARS],
+                len(agent.client_ids),
+                f" as {identity.describe()}" if identity is not None else "",
+            )
         return federation_pb2.RegisterReply(
             agent_id=agent.agent_id,
             heartbeat_interval_seconds=self.state.heartbeat_interval,

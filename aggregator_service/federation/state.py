@@ -8,6 +8,11 @@ accepted only from that certificate, and an agent certificate that names its cli
 Registrations are bounded (docs/reliability.md): one silent for `agent_expiry` is forgotten, and each certificate
 holds at most `max_agents_per_identity` (its least recently seen one that is no longer live makes room). A result is
 filed with its phase only after the checks of aggregator_service.federation.admission.
+
+Site data (aggregator_service.federation.site_check): while a run whose data is at the sites is active, a registration
+whose reported data does not fit the run is refused, and those registered before it started are checked when it
+starts (a misfit is dropped; it is refused when it registers again). Each agent keeps what it reported: its data's
+signature and its clients' sample counts.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import grpc
@@ -26,6 +31,7 @@ import grpc
 from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ResultSink
 from aggregator_service.federation.admission import Rejected, addressed_task, checked_result
+from aggregator_service.federation.site_check import SiteRefused, SiteReport, SiteRun, check_site
 from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult
 from fairfl.v1 import federation_pb2
@@ -40,6 +46,7 @@ MAX_AGENTS_PER_IDENTITY = 1024  # registrations one certificate holds (a Statefu
 MAX_POLL_WAIT_S = 30.0
 MAX_TASKS_PER_POLL = 1024  # tasks in one poll reply (well below the 4 MiB message limit)
 CLOSED_TASK_MEMORY = 200_000
+SITE_REFUSALS_KEPT = 32  # sites refused during the active run, named when the run goes on without their clients
 
 
 class RegistrationRefused(Exception):
@@ -58,6 +65,8 @@ class _Agent:
     shared: bool = False  # co-hosts its clients with other shared agents (RegisterRequest.shared)
     # Open tasks given to it, queued or taken (being trained), in dispatch order: what a crash of it leaves undone.
     tasks: dict[str, None] = field(default_factory=dict)
+    site: SiteReport = field(default_factory=SiteReport)  # its data's signature and clients' sample counts, as reported
+    label: str = ""  # how messages name it: agent name, and certificate name under mutual TLS (site_check.site_label)
 
 
 class _Closed(NamedTuple):
@@ -117,6 +126,7 @@ class FederationState:
         # and run control always find a free worker.
         self.max_long_polls = max_long_polls
         self.long_polls = 0
+        self.shutting_down = False  # the server is stopping: long polls answer now instead of holding a worker
         # Least recently seen first (touching an agent moves it to the end): expiry and eviction look at the front.
         self.agents: OrderedDict[str, _Agent] = OrderedDict()
         self.identities: dict[str, OrderedDict[str, None]] = {}  # principal -> its agent ids, least recently seen first
@@ -126,6 +136,8 @@ class FederationState:
         self.assigned: dict[str, str] = {}  # open task id -> the agent it was given to (the one to answer it)
         self.blobs = BlobStore()
         self.run_id: str | None = None
+        self.site_run: SiteRun | None = None  # the active run's data is at the sites: registrations are checked
+        self.site_refusals: OrderedDict[str, str] = OrderedDict()  # site label -> reason, the latest ones
         self.run_yaml: dict[str, str] = {}
         self.layout: ParamLayout | None = None
         self.open_tasks: dict[str, Batch] = {}
@@ -137,19 +149,46 @@ class FederationState:
     # -- agents -------------------------------------------------------------------------------------------------
 
     def register(
-        self, name: str, client_ids: list[int], device: str, principal: str = "", shared: bool = False
+        self,
+        name: str,
+        client_ids: list[int],
+        device: str,
+        principal: str = "",
+        shared: bool = False,
+        site: SiteReport | None = None,
+        label: str = "",
     ) -> _Agent:
         """A new registration. It replaces the one of the same name and certificate (an agent that reconnected or
         restarted) and takes its clients from the agents that host them exclusively, with their open tasks: those
         still queued, and those they had taken, re-sent (a crashed agent lost them). Raises RegistrationRefused when
-        the certificate holds its maximum of live registrations."""
+        the certificate holds its maximum of live registrations, and SiteRefused when the active run's data is at the
+        sites and `site` (what the agent reports of its data; `label` names it) does not fit the run: the
+        registration it would replace is dropped then too (that agent's data is no longer what it was)."""
+        site = site or SiteReport()
+        label = label or repr(name)
         with self.lock:
             now = time.monotonic()
             self._expire(now)
             replaced = self.agents.get(self.names.get((principal, name), ""))
+            if self.site_run is not None:
+                try:
+                    check_site(self.site_run, label, site, client_ids)
+                except SiteRefused as misfit:
+                    self._note_refusal(label, misfit)
+                    if replaced is not None:
+                        self._forget(replaced)
+                    raise
             self._make_room(principal, replaced, now)
             agent = _Agent(
-                uuid.uuid4().hex, name, sorted(set(client_ids)), device, now, principal=principal, shared=shared
+                uuid.uuid4().hex,
+                name,
+                sorted(set(client_ids)),
+                device,
+                now,
+                principal=principal,
+                shared=shared,
+                site=site,
+                label=label,
             )
             taken = set(agent.client_ids)
             for old in self._displaced(agent, taken, replaced):
@@ -162,6 +201,56 @@ class FederationState:
                 self.client_hosts.setdefault(cid, {})[agent.agent_id] = None
             self.lock.notify_all()
             return agent
+
+    def admit_sites(self, run: SiteRun | None) -> list[SiteRefused]:
+        """Make `run` the one registrations are checked against (None: no check) and drop the registered agents whose
+        data does not fit it; their refusals, to report (they are refused again when they register again)."""
+        with self.lock:
+            self.site_run = run
+            self.site_refusals.clear()
+            if run is None:
+                return []
+            refused = []
+            for agent in list(self.agents.values()):
+                # Only the clients it still hosts (a later registration may have taken some of them over).
+                kept = {c: agent.site.clients[c] for c in agent.client_ids if c in agent.site.clients}
+                try:
+                    check_site(run, agent.label, replace(agent.site, clients=kept), agent.client_ids)
+                except SiteRefused as misfit:
+                    refused.append(misfit)
+                    self._note_refusal(agent.label, misfit)
+                    self._forget(agent)
+            if refused:
+                self.lock.notify_all()
+            return refused
+
+    def _note_refusal(self, label: str, misfit: SiteRefused) -> None:
+        self.site_refusals[label] = misfit.reason
+        self.site_refusals.move_to_end(label)
+        while len(self.site_refusals) > SITE_REFUSALS_KEPT:
+            self.site_refusals.popitem(last=False)
+
+    def refused_sites(self) -> list[tuple[str, str]]:
+        """(site label, refusal reason) of the sites refused since the active site run started, oldest first."""
+        with self.lock:
+            return list(self.site_refusals.items())
+
+    def end_sites(self, run_id: str) -> None:
+        """Registrations are no longer checked against `run_id` (it ended); a later run's check stays."""
+        with self.lock:
+            if self.site_run is not None and self.site_run.run_id == run_id:
+                self.site_run = None
+
+    def site_clients(self) -> dict[int, tuple[str, int, int]]:
+        """Each hosted client's (site label, num_train, num_test) as its first host reported them (0, 0 when it
+        reported none)."""
+        with self.lock:
+            out: dict[int, tuple[str, int, int]] = {}
+            for cid, hosts in self.client_hosts.items():
+                agent = self.agents[next(iter(hosts))]
+                counts = agent.site.clients.get(cid)
+                out[cid] = (agent.label, counts.num_train, counts.num_test) if counts else (agent.label, 0, 0)
+            return out
 
     def _expire(self, now: float) -> None:
         """Forget agents silent for agent_expiry (caller holds the lock); amortised O(1): only the front is read."""
@@ -376,6 +465,13 @@ class FederationState:
         with self.lock:
             self.lock.notify_all()
 
+    def shut_down(self) -> None:
+        """The server is stopping: every waiting long poll returns now, so its worker is free for the drain (a
+        poll would otherwise hold the process up to its wait, MAX_POLL_WAIT_S)."""
+        with self.lock:
+            self.shutting_down = True
+            self.lock.notify_all()
+
     def poll(self, agent_id: str, max_tasks: int, wait: float) -> list[federation_pb2.Task]:
         """Up to `max_tasks` (at most MAX_TASKS_PER_POLL) queued tasks, waiting up to `wait` seconds (at most
         MAX_POLL_WAIT_S; NaN or less than 0: none) for the first."""
@@ -401,7 +497,7 @@ class FederationState:
                 if tasks:
                     return tasks
                 remaining = deadline - now
-                if remaining <= 0:
+                if remaining <= 0 or self.shutting_down:
                     return []
                 self.lock.wait(remaining)
 

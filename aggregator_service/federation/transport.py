@@ -1,5 +1,6 @@
 """The engine's side of the gRPC federation (ClientTransport): publish models, dispatch a phase's tasks to the agents
-and wait for its quorum or deadline, folding results as they are accepted.
+and wait for its quorum or deadline, folding results as they are accepted. A run whose data is at the sites has the
+agents' reported data checked against its declared signature from its start (site_check); the data is never opened.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 import torch
 
 from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink, RunStopped
+from aggregator_service.federation.site_check import format_ids, site_run_of
 from aggregator_service.federation.state import Batch, FederationState
 from fairfl.config import ExperimentConfig
 from fairfl.params import ParamLayout
@@ -25,21 +27,59 @@ class GrpcTransport(ClientTransport):
         self.stop = threading.Event()  # the run's stop event (from wait_for_clients): phases end as soon as it is set
 
     def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None:
+        site_run = site_run_of(run_id, config)  # the plug-in's declaration only: no data is opened
         with self.state.lock:
             self.state.run_id = run_id
             self.state.run_yaml[run_id] = config.to_yaml()
             self.state.layout = layout.with_payload_dtype(config.transport.update_dtype)  # what results travel in
+            # Agents registered before the run are checked now; a misfit is dropped and refused when it re-registers.
+            for misfit in self.state.admit_sites(site_run):
+                log.warning("%s; its registration is dropped", misfit)
+        if site_run is not None:
+            sites = self.state.site_clients()
+            signature = site_run.signature
+            log.info(
+                "run %s: data at the sites (data.dataset %r: input_shape %s, %d classes); %d sites with %d clients "
+                "and %d train samples registered so far",
+                run_id,
+                site_run.dataset,
+                list(signature.input_shape),
+                signature.num_classes,
+                len({label for label, _, _ in sites.values()}),
+                len(sites),
+                sum(train for _, train, _ in sites.values()),
+            )
 
     def wait_for_clients(self, num_clients: int, timeout: float, stop: threading.Event) -> None:
+        """Until every one of the run's clients is registered; a run whose data is at the sites goes on without the
+        missing ones at `timeout` (a site that is down or was refused must not stop the others), any other fails."""
         self.stop = stop
         deadline = time.monotonic() + timeout
-        while len([c for c in self.state.live_clients() if c < num_clients]) < num_clients:
+        while len(live := [c for c in self.state.live_clients() if c < num_clients]) < num_clients:
             if stop.is_set():
                 raise RunStopped("stopped while waiting for clients")
             if time.monotonic() > deadline:
+                refused = self.state.refused_sites()
+                named = (
+                    f"; refused sites: {', '.join(f'{label} ({reason})' for label, reason in refused)}"
+                    if refused
+                    else ""
+                )
+                if live and self.state.site_run is not None:
+                    missing = sorted(set(range(num_clients)) - set(live))
+                    log.warning(
+                        "run %s: %d of %d clients registered within %.0fs; going on without clients %s%s",
+                        self.state.site_run.run_id,
+                        len(live),
+                        num_clients,
+                        timeout,
+                        format_ids(missing),
+                        named,
+                    )
+                    return
                 raise TimeoutError(
-                    f"only {len(self.state.live_clients())} of {num_clients} clients registered within {timeout:.0f}s; "
-                    "start more client agents or lower data.num_clients"
+                    f"only {len(live)} of {num_clients} clients registered within {timeout:.0f}s; "
+                    f"start more client agents or lower data.num_clients{named}"
                 )
             with self.state.lock:
                 self.state.lock.wait(0.2)
@@ -104,5 +144,6 @@ class GrpcTransport(ClientTransport):
         return self.state.drain_refused_after_close(round_number)
 
     def end_run(self, run_id: str) -> None:
+        self.state.end_sites(run_id)
         with self.state.lock:
             self.state.blobs.clear()

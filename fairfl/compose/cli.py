@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import yaml
 
 from fairfl.compose.compare import add_compare_parser
+from fairfl.compose.interrupt import EXIT_INTERRUPTED, Interrupted, Interrupts
 from fairfl.compose.monitor import MonitorError
 from fairfl.compose.results import RunRecorder
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
@@ -32,7 +34,15 @@ class RunNotStarted(Exception):
     """The aggregator or the in-process engine refused to start the run; the message says why."""
 
 
-def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) -> None:
+def run_inprocess(
+    config: ExperimentConfig,
+    recorder: RunRecorder,
+    run_id: str,
+    out_dir: Path | None = None,
+    interrupts: Interrupts | None = None,
+) -> None:
+    """Run in this process; with `out_dir`, the final model goes to out_dir/model.safetensors. With `interrupts`,
+    its first signal sets the engine's stop event (the round in progress is abandoned)."""
     from aggregator_service.engine import RoundEngine
     from fairfl.compose.inprocess import InProcessTransport
     from fairfl.compose.local_privacy import LocalPrivacy
@@ -55,7 +65,15 @@ def run_inprocess(config: ExperimentConfig, recorder: RunRecorder, run_id: str) 
 
         engine.checkpointer = RunCheckpointer(run_directory(config.runtime.checkpoint_dir, run_id), run_id, config)
         engine.checkpointer.start_fresh()
+    if interrupts is not None:
+        interrupts.running(engine.stop.set)
     engine.run()
+    if interrupts is not None:
+        interrupts.run_ended()
+    if out_dir is not None:
+        from fairfl.compose.model_cmd import MODEL_FILE_NAME, save_final_model
+
+        save_final_model(out_dir / MODEL_FILE_NAME, config, run_id, recorder.rounds, engine=engine)
 
 
 def follow_run(control: Any, run_id: str, on_event: Callable[[Any], None], reconnect_s: float = 300.0) -> None:
@@ -98,10 +116,13 @@ def run_grpc(
     after_run: Callable[[], None] | None = None,
     tls: bool = True,
     security: TransportSecurity | None = None,
+    interrupts: Interrupts | None = None,
 ) -> None:
     """Run over gRPC; with `monitor`, a local Prometheus scrapes every process, and `after_run` is called while the
     services (and Prometheus) are still up. The processes this starts talk mutual TLS (an ephemeral CA in
-    out_dir/tls) unless `tls` is False; a running `aggregator` is reached with `security` (None: plaintext)."""
+    out_dir/tls) unless `tls` is False; a running `aggregator` is reached with `security` (None: plaintext).
+    With `interrupts`, its first signal sends StopRun (the run ends as STOPPED and is followed to its end), and a
+    forced stop kills every process this started."""
     import grpc
 
     from fairfl.compose.launcher import LocalCluster
@@ -111,6 +132,8 @@ def run_grpc(
 
     cluster = LocalCluster(out_dir / "logs", tls=tls and not aggregator, tls_dir=out_dir / "tls")
     prometheus: Prometheus | None = None
+    if interrupts is not None:
+        interrupts.on_force(lambda: _killed("process", cluster.kill_all()))
     with cluster:
         if not aggregator:
             agg, _, _ = cluster.start_services(out_dir, ["--checkpoint-dir", str(out_dir / "checkpoints")])
@@ -127,9 +150,16 @@ def run_grpc(
             if monitor:
                 targets = cluster.metrics_targets()
                 prometheus = Prometheus.start(out_dir / "monitor", targets, port=MONITOR_PORT, scrape_interval="2s")
+                if interrupts is not None:
+                    from fairfl.compose.interrupt import kill_processes
+
+                    started = prometheus
+                    interrupts.on_force(lambda: _killed("Prometheus", kill_processes([started.process])))
                 print(describe(prometheus, targets), flush=True)
             with open_channel(aggregator, cluster.security if cluster.children else security) as channel:
                 control = control_pb2_grpc.RunControlStub(channel)
+                if interrupts is not None:
+                    interrupts.running(lambda: _stop_run(control, run_id, f"interrupted ({interrupts.signal_name})"))
                 try:
                     control.StartRun(
                         control_pb2.StartRunRequest(experiment_yaml=config.to_yaml(), run_id=run_id), timeout=30
@@ -141,6 +171,11 @@ def run_grpc(
                 try:
                     # A remote aggregator may restart and resume the run; a local one is not restarted by anyone.
                     follow_run(control, run_id, recorder, reconnect_s=0.0 if cluster.children else 300.0)
+                    if interrupts is not None:
+                        interrupts.run_ended()
+                    from fairfl.compose.model_cmd import MODEL_FILE_NAME, save_final_model
+
+                    save_final_model(out_dir / MODEL_FILE_NAME, config, run_id, recorder.rounds, control=control)
                 except KeyboardInterrupt:
                     control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason="interrupted"), timeout=10)
                     raise
@@ -151,11 +186,31 @@ def run_grpc(
                 prometheus.stop()
 
 
+def _stop_run(control: Any, run_id: str, reason: str) -> None:
+    """StopRun; a run the aggregator does not know yet (StartRun still on its way) is asked again for a few seconds."""
+    import grpc
+
+    from fairfl.v1 import control_pb2
+
+    for attempt in range(10):
+        try:
+            control.StopRun(control_pb2.StopRunRequest(run_id=run_id, reason=reason), timeout=10)
+            return
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND or attempt == 9:
+                raise RuntimeError(f"StopRun: {err.code().name}: {err.details()}") from None
+            time.sleep(0.5)
+
+
+def _killed(what: str, count: int) -> str | None:
+    return f"killed {count} {what}{'es' if what == 'process' and count != 1 else ''}" if count else None
+
+
 MONITOR_PORT = 9090  # Prometheus's usual port when free, so bookmarks keep working; any free port otherwise
 
 
-def _hold(seconds: float | None) -> None:
-    """Keep services and Prometheus up after the run, for looking at the final state."""
+def _hold(seconds: float | None, wake: threading.Event | None = None) -> None:
+    """Keep services and Prometheus up after the run, for looking at the final state; a signal (`wake`) ends it."""
     if seconds == 0:
         return
     print(
@@ -164,6 +219,9 @@ def _hold(seconds: float | None) -> None:
         flush=True,
     )
     try:
+        if wake is not None:
+            wake.wait(seconds)
+            return
         if seconds is None:
             while True:
                 time.sleep(3600)
@@ -172,7 +230,61 @@ def _hold(seconds: float | None) -> None:
         pass
 
 
+def check_run_data(config: ExperimentConfig, remote: bool, keep: bool) -> None:
+    """Split the run's data here once before anything starts, so that a split the data cannot hold (data.num_clients
+    beyond the samples, a test_per_client the test set cannot give, ...) ends as a config error naming the field
+    (fairfl.data.federated.DataConfigError) instead of failing in the engine or in every agent. Only central datasets
+    are split here: a DataProvider builds its clients itself, and site data stays at the sites. `remote`: the agents
+    of a running deployment load the data; it is checked only when it is here already (nothing is downloaded).
+    `keep`: keep the loaded arrays cached (the in-process run loads them next)."""
+    import dataclasses
+
+    from fairfl.data.datasets import DatasetNotFoundError, clear_cache
+    from fairfl.data.plugin import Dataset
+    from fairfl.data.run import load_run_data, run_dataset
+
+    plugin, _ = run_dataset(config.data)
+    if not isinstance(plugin, Dataset) or getattr(plugin, "at_sites", False):
+        return
+    if remote and config.data.download:
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, download=False))
+    try:
+        load_run_data(config)
+    except DatasetNotFoundError as err:
+        if remote:
+            return
+        raise ConfigError(f"data.dataset: {err}") from None
+    except ConfigError:
+        raise
+    except ValueError as err:  # unreadable files: the loader names them
+        raise ConfigError(f"data.dataset: {config.data.dataset}: {err}") from None
+    finally:
+        if not keep:
+            clear_cache()  # the agents hold the data; this process only checked it
+
+
+def _write_plots(recorder: RunRecorder, out_dir: Path, title: str) -> None:
+    """accuracy.png, variance.png and worst5.png (fairfl.compose.plots); a failure to draw is one warning line."""
+    try:
+        from fairfl.compose.plots import write_run_plots
+
+        write_run_plots(recorder.rounds, out_dir, title)
+    except Exception as err:  # plots are a convenience: the results files are written already
+        print(f"warning: plots not written: {type(err).__name__}: {err}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    """`fairfl run`: SIGINT/SIGTERM are handled from here on (fairfl.compose.interrupt); exit 130 when one ended the
+    run, or came before it started."""
+    with Interrupts() as interrupts:
+        try:
+            return _cmd_run(args, interrupts)
+        except Interrupted as err:  # before the run started: the processes started so far are stopped already
+            print(f"\n{err.signal_name}: interrupted before the run started; nothing to write", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+def _cmd_run(args: argparse.Namespace, interrupts: Interrupts) -> int:
     try:
         overrides = _overrides(args.set)
         if args.rounds is not None:
@@ -205,6 +317,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         if prometheus_binary() is None:
             print(f"error: --monitor needs Prometheus: {INSTALL_HINT}", file=sys.stderr)
             return 2
+    try:
+        check_run_data(config, remote=bool(args.aggregator), keep=args.transport == "inprocess")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return _run(args, config, run_id, out_dir, security, interrupts)
+
+
+def _run(
+    args: argparse.Namespace,
+    config: ExperimentConfig,
+    run_id: str,
+    out_dir: Path,
+    security: TransportSecurity | None,
+    interrupts: Interrupts,
+) -> int:
+    """`fairfl run` once the inputs are checked; exit code 130 when a signal interrupted the run."""
     print(
         f"FairFL run {run_id}: {config.strategy.name} on {config.data.dataset}, {config.data.num_clients} clients, "
         f"{config.selection.clients_per_round}/round, {config.rounds} rounds, transport {args.transport}"
@@ -213,19 +342,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     result: dict[str, Any] = {}
 
+    def extra() -> dict[str, Any]:
+        out: dict[str, Any] = {"transport": args.transport, "wall_seconds": round(time.monotonic() - started, 3)}
+        if interrupts.interrupted:
+            out["interrupted"] = {"signal": interrupts.signal_name, "forced": interrupts.forced}
+            if not recorder.ended:  # forced out before the run said it ended
+                out["state"] = "INTERRUPTED"
+                out["message"] = f"interrupted by {interrupts.signal_name} before the run reported its end"
+        return out
+
+    def write_received() -> str | None:  # a forced stop: what was received, without waiting for anything
+        if recorder.status is None and not recorder.rounds:
+            return None  # the run had not started: nothing to write
+        recorder.write(out_dir, extra())
+        return f"{len(recorder.rounds)} completed rounds written to {out_dir}/"
+
+    interrupts.on_force(write_received)
+
     def finish() -> None:
         wall = time.monotonic() - started
-        summary = recorder.write(out_dir, {"transport": args.transport, "wall_seconds": round(wall, 3)})
+        summary = recorder.write(out_dir, extra())
+        _write_plots(recorder, out_dir, f"{run_id}: {config.strategy.name} on {config.data.dataset}")
         print()
         print(recorder.fairness_table())
-        print(f"\n{summary['state']}: {summary['message']} in {wall:.1f}s; results in {out_dir}/")
+        if interrupts.interrupted:
+            print(
+                f"\n{interrupts.signal_name}: interrupted after {summary['rounds_completed']} completed rounds "
+                f"({summary['state']}) in {wall:.1f}s; results in {out_dir}/",
+                flush=True,
+            )
+        else:
+            print(f"\n{summary['state']}: {summary['message']} in {wall:.1f}s; results in {out_dir}/", flush=True)
         result.update(summary)
-        if args.monitor:
-            _hold(args.monitor_hold)
+        if args.monitor and not interrupts.interrupted:
+            _hold(args.monitor_hold, interrupts.wake)
 
     try:
         if args.transport == "inprocess":
-            run_inprocess(config, recorder, run_id)
+            run_inprocess(config, recorder, run_id, out_dir, interrupts)
             finish()
         else:
             run_grpc(
@@ -238,6 +392,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 after_run=finish,
                 tls=not args.insecure,
                 security=security,
+                interrupts=interrupts,
             )
     except RunNotStarted as err:
         print(f"error: {err}", file=sys.stderr)
@@ -245,6 +400,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except MonitorError as err:  # Prometheus would not start; the services this command started are stopped
         print(f"error: --monitor: {err}", file=sys.stderr)
         return 2
+    if interrupts.interrupted:
+        return EXIT_INTERRUPTED
     return 0 if result.get("state") == "RUN_STATE_COMPLETED" else 1
 
 
@@ -356,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("rest", nargs=argparse.REMAINDER, help="the component's own options")
     serve.set_defaults(func=cmd_serve)
     add_compare_parser(sub)
+    from fairfl.compose.operate import add_runs_parser  # `fairfl runs list|status|watch|stop`
+
+    add_runs_parser(sub)
+    from fairfl.compose.model_cmd import add_model_parser  # `fairfl model export|fetch`
+
+    add_model_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

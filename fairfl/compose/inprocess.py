@@ -25,6 +25,7 @@ class InProcessTransport(ClientTransport):
         self.blobs = BlobStore()
         self.runtime: ClientRuntime | None = None
         self.layout: ParamLayout | None = None
+        self.stop = threading.Event()  # the run's stop event (from wait_for_clients): a phase ends at the next client
 
     def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None:
         data = load_run_data(config)
@@ -44,6 +45,7 @@ class InProcessTransport(ClientTransport):
 
     def wait_for_clients(self, num_clients: int, timeout: float, stop: threading.Event) -> None:
         assert self.runtime is not None
+        self.stop = stop
         if len(self.runtime.clients) < num_clients:
             raise RuntimeError(f"{len(self.runtime.clients)} clients hosted, {num_clients} needed")
 
@@ -66,6 +68,8 @@ class InProcessTransport(ClientTransport):
         rejected = 0
         for task in sorted(tasks, key=lambda t: t.client_id):
             if quorum is not None and len(results) >= quorum:  # in-process, "first k" are the lowest client ids
+                break
+            if self.stop.is_set():  # the engine abandons the phase (RunStopped) as soon as it returns
                 break
             result = self.runtime.run(task)
             try:

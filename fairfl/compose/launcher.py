@@ -2,7 +2,10 @@
 
 Each child announces its ports on stdout (`LISTENING <grpc port> METRICS <metrics port>`; an agent, which serves no
 gRPC, says `METRICS <port>`), so nothing races for a port chosen in advance. Child logs go to files in the run
-directory; the launcher kills every child it started on exit.
+directory; the launcher stops every child it started on exit (SIGTERM, then SIGKILL after a grace period).
+
+Children run in their own sessions: a Ctrl-C at the terminal reaches only the command that started them, which stops
+its run in order and then its children (fairfl.compose.interrupt); it never lands in a child that is still importing.
 
 Every connection is mutual TLS by default: the cluster makes an ephemeral CA (its key never leaves this process) and
 writes one identity per child into `tls_dir` (services with role service, agents with role agent limited to their
@@ -30,6 +33,7 @@ from fairfl.rpc_channel import open_channel, wait_for_serving
 from fairfl.rpc_security import TransportSecurity
 
 STARTUP_TIMEOUT_S = 60.0
+CLOSE_GRACE_S = 5.0  # how long close() lets children stop on SIGTERM before it kills them
 
 
 @dataclass
@@ -149,6 +153,7 @@ class LocalCluster:
             stderr=log_file,
             text=True,
             env=env,
+            start_new_session=True,  # the terminal's Ctrl-C is the launcher's to handle (module docstring)
         )
         log_file.close()  # the child holds its own descriptor
         child = Child(name, process, log_path)
@@ -246,7 +251,9 @@ class LocalCluster:
         with child.log_path.open("a") as log_file:
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             stdout = subprocess.PIPE if announce else log_file
-            child.process = subprocess.Popen(argv, stdout=stdout, stderr=log_file, text=True, env=env)
+            child.process = subprocess.Popen(
+                argv, stdout=stdout, stderr=log_file, text=True, env=env, start_new_session=True
+            )
         if announce:
             port, child.metrics_port = _announced_ports(child, STARTUP_TIMEOUT_S)
             if child.port and port != child.port:
@@ -270,11 +277,19 @@ class LocalCluster:
                 child.process.kill()
                 child.process.wait()
 
+    def kill_all(self) -> int:
+        """SIGKILL every running child now and reap it (a forced stop); the number killed. Safe from any thread."""
+        from fairfl.compose.interrupt import kill_processes
+
+        return kill_processes([child.process for child in list(self.children)])
+
     def close(self) -> None:
+        """Stop every child: SIGTERM to all at once (a service that stops cancels its agents' long polls, so they
+        end sooner than one by one), SIGKILL for any still running CLOSE_GRACE_S later."""
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.terminate()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for child in self.children:
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,6 +50,9 @@ ROUND_COLUMNS = [
     "nmi",
     "clusters",
 ]
+
+
+TERMINAL_STATES = ("RUN_STATE_COMPLETED", "RUN_STATE_FAILED", "RUN_STATE_STOPPED")
 
 
 class RunRecorder:
@@ -142,15 +148,23 @@ class RunRecorder:
             **(extra or {}),
         }
 
+    @property
+    def ended(self) -> bool:
+        """The run reported its end (completed, failed or stopped)."""
+        return self.status is not None and control_pb2.RunState.Name(self.status.state) in TERMINAL_STATES
+
     def write(self, directory: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """results.json, rounds.csv and clients.csv of the rounds received so far. Each file is replaced atomically
+        (a forced exit mid-write leaves the previous file or the new one, never half of one)."""
         directory.mkdir(parents=True, exist_ok=True)
+        rounds = list(self.rounds)  # a forced stop writes from another thread while events may still arrive
         summary = self.summary(extra)
-        summary["rounds"] = [MessageToDict(r, preserving_proto_field_name=True) for r in self.rounds if r.evaluated]
-        (directory / "results.json").write_text(json.dumps(summary, indent=2, allow_nan=True))
-        with (directory / "rounds.csv").open("w", newline="") as fh:
+        summary["rounds"] = [MessageToDict(r, preserving_proto_field_name=True) for r in rounds if r.evaluated]
+        _write_atomic(directory / "results.json", json.dumps(summary, indent=2, allow_nan=True))
+        with io.StringIO(newline="") as fh:
             writer = csv.writer(fh)
             writer.writerow(ROUND_COLUMNS)
-            for r in self.rounds:
+            for r in rounds:
                 row: list[Any] = [
                     r.round,
                     f"{r.duration_seconds:.4f}",
@@ -167,13 +181,22 @@ class RunRecorder:
                 nmi = strategy_metric(r, "nmi")
                 row += ["" if nmi is None else _fmt(nmi), " ".join(f"{c.client_id}:{c.cluster}" for c in r.clusters)]
                 writer.writerow(row)
-        with (directory / "clients.csv").open("w", newline="") as fh:
+            _write_atomic(directory / "rounds.csv", fh.getvalue())
+        with io.StringIO(newline="") as fh:
             writer = csv.writer(fh)
             writer.writerow(["round", "client_id", "accuracy", "loss", "num_samples"])
-            for r in self.rounds:
+            for r in rounds:
                 for c in r.clients:
                     writer.writerow([r.round, c.client_id, _fmt(c.accuracy), _fmt(c.loss), c.num_samples])
+            _write_atomic(directory / "clients.csv", fh.getvalue())
         return summary
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with tmp.open("w", newline="") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def strategy_metric(event: control_pb2.RoundEvent, name: str) -> float | None:

@@ -11,6 +11,7 @@ import numpy as np
 from fairfl.data.datasets import ArrayDataset
 from fairfl.data.groups import client_groups
 from fairfl.data.partition import (
+    PartitionError,
     partition_dirichlet,
     partition_dirichlet_groups,
     partition_iid,
@@ -28,9 +29,19 @@ from fairfl.data.plugin import (
 )
 from fairfl.data.signature import DataSignature
 from fairfl.plugins import PluginError
+from fairfl.schema import ConfigError
 
 PARTITIONS = ("iid", "shards", "dirichlet", "label_groups", "dirichlet_groups")
 TEST_SPLITS = ("follow_train", "iid")
+
+
+class DataConfigError(ConfigError):
+    """The run's data section asks for a split the data cannot hold; ``field`` is the config field to change (e.g.
+    ``data.num_clients``), and the message starts with it, as every config error's does."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
 
 
 @dataclass(eq=False)
@@ -111,9 +122,13 @@ def build_federated(
     samples, default len(test) // num_clients), or with ``test_split='iid'`` is a disjoint random slice of it (so the
     mean client accuracy is the accuracy on the union, the whole test set at the default size).
     A DataProvider (e.g. 'synthetic': LEAF's Synthetic(α, β)) builds its clients itself, ignoring ``partition``.
+
+    A split the data cannot hold (more clients than samples, too few test samples for ``test_per_client``, ...)
+    raises :class:`DataConfigError` naming the run's config field (``data.<argument>``): the arguments are the
+    ``data`` section's fields.
     """
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients!r}")
+    if isinstance(num_clients, bool) or not isinstance(num_clients, int | np.integer) or num_clients < 1:
+        raise DataConfigError("data.num_clients", f"num_clients must be >= 1, got {num_clients!r}")
     plugin = resolve_dataset(dataset)
     parsed = params if dataclasses.is_dataclass(params) else dataset_params(plugin, params)
     signature = dataset_signature_of(plugin, parsed)
@@ -129,45 +144,38 @@ def build_federated(
         _check_signature(plugin, signature, data.train, data.test)
         return data
     if partition not in PARTITIONS:
-        raise ValueError(f"unknown partition {partition!r}; valid: {', '.join(PARTITIONS)}")
+        raise DataConfigError("data.partition", f"unknown partition {partition!r}; valid: {', '.join(PARTITIONS)}")
     if test_split not in TEST_SPLITS:
-        raise ValueError(f"unknown test_split {test_split!r}; valid: {', '.join(TEST_SPLITS)}")
+        raise DataConfigError("data.test_split", f"unknown test_split {test_split!r}; valid: {', '.join(TEST_SPLITS)}")
 
     train = plugin.load("train", parsed, request)
     test = plugin.load("test", parsed, request)
     _check_signature(plugin, signature, train, test)
     # Independent child streams: changing how one step consumes randomness never shifts the other.
     partition_rng, test_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
-    if partition == "iid":
-        train_idx = partition_iid(train.y, num_clients, partition_rng)
-    elif partition == "shards":
-        train_idx = partition_shards(train.y, num_clients, shards_per_client, partition_rng)
-    elif partition == "label_groups":
-        sizes, classes = list(group_sizes or []), list(group_classes or [])
-        if sum(sizes) != num_clients:
-            raise ValueError(f"group_sizes {sizes} hold {sum(sizes)} clients, num_clients is {num_clients}")
-        train_idx = partition_label_groups(train.y, sizes, classes, partition_rng, samples_per_class)
-    elif partition == "dirichlet_groups":
-        sizes = list(group_sizes or [])
-        if sum(sizes) != num_clients:
-            raise ValueError(f"group_sizes {sizes} hold {sum(sizes)} clients, num_clients is {num_clients}")
-        train_idx = partition_dirichlet_groups(train.y, sizes, list(group_alphas or []), partition_rng, min_size)
-    else:
-        train_idx = partition_dirichlet(train.y, num_clients, alpha, partition_rng, min_size=min_size)
-
-    size = len(test) // num_clients if test_per_client is None else test_per_client
-    if size < 1:
-        raise ValueError(f"test_per_client must be >= 1 (test set has {len(test)} samples for {num_clients} clients)")
-    if test_split == "iid":
-        if size * num_clients > len(test):
-            raise ValueError(
-                f"test_split='iid' needs disjoint test sets: {num_clients} clients x {size} samples exceed the "
-                f"{len(test)}-sample test set; lower test_per_client"
-            )
-        slices = np.split(test_rng.permutation(len(test))[: size * num_clients], num_clients)
-        test_idx = [np.sort(part).astype(np.int64) for part in slices]
-    else:
-        test_idx = test_split_following([train.y[i] for i in train_idx], test.y, size, train.num_classes, test_rng)
+    # The test size defaults to an equal share of the test set: too many clients is then num_clients's fault.
+    fields = {**_FIELDS, "size_per_client": "data.num_clients" if test_per_client is None else "data.test_per_client"}
+    where = f"dataset {train.name!r}: {len(train)} training and {len(test)} test samples"
+    try:
+        train_idx, test_idx = _split(
+            train,
+            test,
+            num_clients,
+            partition,
+            partition_rng,
+            test_rng,
+            shards_per_client=shards_per_client,
+            alpha=alpha,
+            min_size=min_size,
+            test_per_client=test_per_client,
+            group_sizes=group_sizes,
+            group_classes=group_classes,
+            samples_per_class=samples_per_class,
+            group_alphas=group_alphas,
+            test_split=test_split,
+        )
+    except PartitionError as err:
+        raise DataConfigError(fields.get(err.argument, "data.partition"), f"{err} ({where})") from None
     return FederatedData(train, test, train_idx, test_idx, client_groups(partition, group_sizes or []))
 
 
@@ -185,3 +193,78 @@ def _check_signature(plugin: DataPlugin, signature: DataSignature, *splits: Arra
                 f"{signature.num_classes} classes, but its data {data.name!r} has input_shape {data.input_shape} and "
                 f"{data.num_classes} classes"
             )
+
+
+# The partitioners' arguments that are the run's `data` fields by another name (the others have the field's name).
+_FIELDS = {
+    "num_clients": "data.num_clients",
+    "shards_per_client": "data.shards_per_client",
+    "alpha": "data.alpha",
+    "min_size": "data.min_size",
+    "group_sizes": "data.group_sizes",
+    "group_classes": "data.group_classes",
+    "samples_per_class": "data.samples_per_class",
+    "group_alphas": "data.group_alphas",
+    "train_label_sets": "data.min_size",  # a client without training data: min_size 0 allowed it
+}
+
+
+def _split(
+    train: ArrayDataset,
+    test: ArrayDataset,
+    num_clients: int,
+    partition: str,
+    partition_rng: np.random.Generator,
+    test_rng: np.random.Generator,
+    *,
+    shards_per_client: int,
+    alpha: float,
+    min_size: int,
+    test_per_client: int | None,
+    group_sizes: list[int] | None,
+    group_classes: list[int] | None,
+    samples_per_class: int | None,
+    group_alphas: list[float] | None,
+    test_split: str,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's train and test indices (build_federated's split); PartitionError when the data cannot hold it."""
+    if partition == "iid":
+        train_idx = partition_iid(train.y, num_clients, partition_rng)
+    elif partition == "shards":
+        train_idx = partition_shards(train.y, num_clients, shards_per_client, partition_rng)
+    elif partition == "label_groups":
+        sizes, classes = list(group_sizes or []), list(group_classes or [])
+        if sum(sizes) != num_clients:
+            raise PartitionError(
+                "group_sizes", f"group_sizes {sizes} hold {sum(sizes)} clients, num_clients is {num_clients}"
+            )
+        train_idx = partition_label_groups(train.y, sizes, classes, partition_rng, samples_per_class)
+    elif partition == "dirichlet_groups":
+        sizes = list(group_sizes or [])
+        if sum(sizes) != num_clients:
+            raise PartitionError(
+                "group_sizes", f"group_sizes {sizes} hold {sum(sizes)} clients, num_clients is {num_clients}"
+            )
+        train_idx = partition_dirichlet_groups(train.y, sizes, list(group_alphas or []), partition_rng, min_size)
+    else:
+        train_idx = partition_dirichlet(train.y, num_clients, alpha, partition_rng, min_size=min_size)
+
+    size = len(test) // num_clients if test_per_client is None else test_per_client
+    if size < 1:
+        raise PartitionError(
+            "size_per_client",
+            f"test_per_client must be >= 1 (test set has {len(test)} samples for {num_clients} clients: fewer clients, "
+            "or a test_per_client)",
+        )
+    if test_split == "iid":
+        if size * num_clients > len(test):
+            raise PartitionError(
+                "size_per_client",
+                f"test_split='iid' needs disjoint test sets: {num_clients} clients x {size} samples exceed the "
+                f"{len(test)}-sample test set; lower test_per_client",
+            )
+        slices = np.split(test_rng.permutation(len(test))[: size * num_clients], num_clients)
+        test_idx = [np.sort(part).astype(np.int64) for part in slices]
+    else:
+        test_idx = test_split_following([train.y[i] for i in train_idx], test.y, size, train.num_classes, test_rng)
+    return train_idx, test_idx

@@ -2,6 +2,10 @@
 
 Every function takes the labels and a ``np.random.Generator`` (so callers control determinism) and returns one sorted
 int64 index array per client. Partitions of the training set are disjoint; IID and shard partitions cover every sample.
+
+A split the data cannot hold (more clients than samples, a class too small for its group, ...) raises
+:class:`PartitionError`, a ValueError whose ``argument`` names the input to change, so callers can name their own
+field (fairfl.data.federated names the run's ``data.*`` config field).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "PartitionError",
     "partition_dirichlet",
     "partition_dirichlet_groups",
     "partition_iid",
@@ -16,6 +21,14 @@ __all__ = [
     "partition_shards",
     "test_split_following",
 ]
+
+
+class PartitionError(ValueError):
+    """The data cannot be split as asked; ``argument`` names the partitioner's input to change."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
 
 
 def _check_labels(labels: np.ndarray) -> np.ndarray:
@@ -46,7 +59,9 @@ def partition_iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator
     labels = _check_labels(labels)
     _check_positive_int(num_clients, "num_clients")
     if len(labels) < num_clients:
-        raise ValueError(f"num_clients ({num_clients}) exceeds the number of samples ({len(labels)})")
+        raise PartitionError(
+            "num_clients", f"num_clients ({num_clients}) exceeds the number of samples ({len(labels)})"
+        )
     perm = rng.permutation(len(labels))
     return [np.sort(part).astype(np.int64) for part in np.array_split(perm, num_clients)]
 
@@ -64,8 +79,16 @@ def partition_shards(
     _check_positive_int(shards_per_client, "shards_per_client")
     num_shards = num_clients * shards_per_client
     if len(labels) < num_shards:
-        raise ValueError(
-            f"need at least num_clients * shards_per_client = {num_shards} samples for the shards, got {len(labels)}"
+        n = len(labels)
+        # One shard each is impossible: too many clients; else fewer shards per client would do.
+        argument = "num_clients" if num_clients > n else "shards_per_client"
+        limit = f"at most {n // shards_per_client} clients with {shards_per_client} shards each"
+        if argument == "shards_per_client":
+            limit = f"at most {n // num_clients} shards per client for {num_clients} clients, or {limit}"
+        raise PartitionError(
+            argument,
+            f"need at least num_clients * shards_per_client = {num_shards} samples for the shards, the data has {n} "
+            f"({limit})",
         )
     by_label = np.argsort(labels, kind="stable")
     shards = np.array_split(by_label, num_shards)
@@ -94,10 +117,12 @@ def partition_dirichlet(
     if min_size < 0:
         raise ValueError(f"min_size must be >= 0, got {min_size!r}")
     n = len(labels)
-    if min_size * num_clients > n:
-        raise ValueError(f"min_size * num_clients = {min_size * num_clients} exceeds the number of samples ({n})")
     if n < num_clients:
-        raise ValueError(f"num_clients ({num_clients}) exceeds the number of samples ({n})")
+        raise PartitionError("num_clients", f"num_clients ({num_clients}) exceeds the number of samples ({n})")
+    if min_size * num_clients > n:
+        raise PartitionError(
+            "min_size", f"min_size * num_clients = {min_size * num_clients} exceeds the number of samples ({n})"
+        )
 
     classes = np.unique(labels)
     class_members = [np.flatnonzero(labels == c) for c in classes]
@@ -116,10 +141,11 @@ def partition_dirichlet(
         sizes = np.bincount(owner, minlength=num_clients)
         if sizes.min() >= min_size:
             return _split_by_owner(owner, num_clients)
-    raise ValueError(
+    raise PartitionError(
+        "min_size",
         f"partition_dirichlet: no split with every client holding >= min_size={min_size} samples after "
         f"{max_attempts} attempts (alpha={alpha}, num_clients={num_clients}, {n} samples; smallest client had "
-        f"{sizes.min()}). Increase alpha, lower min_size or use fewer clients."
+        f"{sizes.min()}). Increase alpha, lower min_size or use fewer clients.",
     )
 
 
@@ -138,9 +164,10 @@ def partition_label_groups(
     """
     labels = _check_labels(labels)
     if len(group_sizes) == 0 or len(group_sizes) != len(group_classes):
-        raise ValueError(
+        raise PartitionError(
+            "group_classes",
             f"group_sizes and group_classes must be non-empty and of equal length, got {len(group_sizes)} and "
-            f"{len(group_classes)}"
+            f"{len(group_classes)}",
         )
     for name, values in (("group_sizes", group_sizes), ("group_classes", group_classes)):
         for g, value in enumerate(values):
@@ -149,7 +176,9 @@ def partition_label_groups(
         _check_positive_int(samples_per_class, "samples_per_class")
     num_classes = int(labels.max()) + 1 if labels.size else 0
     if sum(group_classes) > num_classes:
-        raise ValueError(f"group_classes ask for {sum(group_classes)} classes, the dataset has {num_classes}")
+        raise PartitionError(
+            "group_classes", f"group_classes ask for {sum(group_classes)} classes, the dataset has {num_classes}"
+        )
     # Shuffle once, then a stable sort by label: each class's members end up in random order, one vectorised pass.
     shuffled = rng.permutation(len(labels))
     by_label = shuffled[np.argsort(labels[shuffled], kind="stable")]
@@ -161,14 +190,17 @@ def partition_label_groups(
             pool = by_label[starts[c] : starts[c + 1]]
             if samples_per_class is None:
                 if len(pool) < size:
-                    raise ValueError(f"group {g}: class {c} has {len(pool)} samples for {size} clients")
+                    raise PartitionError(
+                        "group_sizes", f"group {g}: class {c} has {len(pool)} samples for {size} clients"
+                    )
                 pieces = np.array_split(pool, size)
             else:
                 need = size * samples_per_class
                 if len(pool) < need:
-                    raise ValueError(
+                    raise PartitionError(
+                        "samples_per_class",
                         f"group {g}: class {c} has {len(pool)} samples, {size} clients x samples_per_class="
-                        f"{samples_per_class} need {need}"
+                        f"{samples_per_class} need {need}",
                     )
                 pieces = np.split(pool[:need], size)
             for j, piece in enumerate(pieces):
@@ -198,14 +230,15 @@ def partition_dirichlet_groups(
     """
     labels = _check_labels(labels)
     if len(group_sizes) == 0 or len(group_sizes) != len(group_alphas):
-        raise ValueError(
+        raise PartitionError(
+            "group_alphas",
             f"group_sizes and group_alphas must be non-empty and of equal length, got {len(group_sizes)} and "
-            f"{len(group_alphas)}"
+            f"{len(group_alphas)}",
         )
     for g, (size, alpha) in enumerate(zip(group_sizes, group_alphas, strict=True)):
         _check_positive_int(size, f"group_sizes[{g}]")
         if not np.isfinite(alpha) or alpha <= 0:
-            raise ValueError(f"group_alphas[{g}] must be a finite number > 0, got {alpha!r}")
+            raise PartitionError("group_alphas", f"group_alphas[{g}] must be a finite number > 0, got {alpha!r}")
     total_clients = sum(group_sizes)
     # Every class's shuffled members, cut among the groups in proportion to their sizes.
     group_cuts = np.cumsum(group_sizes) / total_clients
@@ -233,9 +266,10 @@ def partition_dirichlet_groups(
         members = np.concatenate(parts[g])
         clients = [np.sort(members[positions]) for positions in _split_by_owner(np.concatenate(owners), size)]
         if (smallest := min(len(c) for c in clients)) < min_size:
-            raise ValueError(
+            raise PartitionError(
+                "min_size",
                 f"partition_dirichlet_groups: a client of group {g} holds {smallest} samples, below min_size="
-                f"{min_size}; use fewer clients or lower min_size"
+                f"{min_size}; use fewer clients or lower min_size",
             )
         out.extend(clients)
     return out
@@ -299,15 +333,19 @@ def test_split_following(
     for client, train_labels in enumerate(train_label_sets):
         train_labels = _check_labels(train_labels)
         if train_labels.size == 0:
-            raise ValueError(f"train_label_sets[{client}] is empty: cannot follow an empty label distribution")
+            raise PartitionError(
+                "train_label_sets",
+                f"train_label_sets[{client}] is empty: cannot follow an empty label distribution",
+            )
         if train_labels.max() >= num_classes:
             raise ValueError(f"train_label_sets[{client}] has label {train_labels.max()} >= num_classes={num_classes}")
         weights = np.bincount(train_labels, minlength=num_classes).astype(np.float64)
         available = int(pool_sizes[weights > 0].sum())
         if available < size_per_client:
-            raise ValueError(
+            raise PartitionError(
+                "size_per_client",
                 f"client {client}: size_per_client={size_per_client} but the test set has only {available} samples "
-                "of that client's classes"
+                "of that client's classes",
             )
         counts = _capped_allocation(weights, size_per_client, pool_sizes)
         # Random keys sorted within each label group give an independent random order per class in one vectorised

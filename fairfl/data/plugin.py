@@ -51,6 +51,7 @@ class Dataset(ABC):
 
     Params: ClassVar[type] = NoParams
     partitions_itself: ClassVar[bool] = False
+    at_sites: ClassVar[bool] = False  # True: the data is at the sites' agents (fairfl.data.site), never loaded here
 
     @abstractmethod
     def signature(self, params: Any) -> DataSignature:
@@ -66,6 +67,7 @@ class DataProvider(ABC):
 
     Params: ClassVar[type] = NoParams
     partitions_itself: ClassVar[bool] = True
+    at_sites: ClassVar[bool] = False  # True: the data is at the sites' agents (fairfl.data.site), never loaded here
 
     @abstractmethod
     def signature(self, params: Any) -> DataSignature:

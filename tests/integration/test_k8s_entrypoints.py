@@ -1,5 +1,6 @@
-"""The images' entrypoints work as the manifests run them: every container of the rendered dev overlay is started as a
-local process with the command, arguments and environment its pod gets, and must come up the way its probes expect.
+"""The images' entrypoints work as the manifests run them: every container of the rendered dev overlay (and, last, of
+the central and site-example overlays: a real federation) is started as a local process with the command, arguments
+and environment its pod gets, and must come up the way its probes expect.
 
 What differs from the pod, and nothing else:
 - `fairfl ARGS` (the image's console script) runs as `python -m fairfl.compose ARGS`: pyproject.toml maps the
@@ -10,9 +11,11 @@ What differs from the pod, and nothing else:
 - Listen addresses `0.0.0.0:<port>` become `127.0.0.1:<a free port>`, so that every process can start at once, and
   FAIRFL_METRICS_PORT becomes 0 (with FAIRFL_METRICS_HOST=127.0.0.1): each process announces the port it bound
   (`LISTENING <grpc> METRICS <metrics>`).
-- `<service>:<port>` addresses become `127.0.0.1:<the port given to the process behind that Service>`.
+- `<service>:<port>` addresses become `127.0.0.1:<the port given to the process behind that Service>`; a site
+  agent's aggregator address (a public name outside its cluster) becomes the central aggregator's loopback port.
 - Paths under the container's volume mounts (and $HOME, the working directory) move under a per-pod temporary
-  directory; a ConfigMap volume gets the rendered ConfigMap's files.
+  directory; a ConfigMap volume gets the rendered ConfigMap's files; a site's data volume (a PersistentVolumeClaim
+  mounted read-only) gets the site's files and is then made read-only.
 - An agent's hostname, its StatefulSet pod name `fairfl-agent-<ordinal>`, from which it derives its clients, is set
   by replacing socket.gethostname in the child before the CLI runs.
 - A Secret volume gets the files of the identity docs/deploy.md creates that Secret from: `fairfl certs DIR` is run
@@ -21,6 +24,8 @@ What differs from the pod, and nothing else:
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import re
 import socket
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from fairfl.rpc_channel import open_channel, wait_for_serving
@@ -44,6 +50,7 @@ from fairfl.v1 import privacy_pb2, privacy_pb2_grpc
 from tests.k8s_support import (
     COMPONENTS,
     REPO,
+    SITE_DATA_MOUNT,
     Workload,
     by_component,
     env_of,
@@ -132,11 +139,11 @@ def _cli_argv(container: dict[str, Any], hostname: str | None) -> list[str]:
     return [sys.executable, "-c", HOSTNAME_SHIM.format(hostname=hostname), *command[1:]]
 
 
-def _make_certs(tmp: Path) -> Path:
+def _make_certs(tmp: Path, *options: str) -> Path:
     """The identities docs/deploy.md makes the Secrets from, by the documented command."""
     out = tmp / "certs"
     proc = subprocess.run(
-        [sys.executable, "-m", "fairfl.compose", "certs", str(out)],
+        [sys.executable, "-m", "fairfl.compose", "certs", str(out), *options],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
@@ -382,3 +389,100 @@ def test_sigterm_stops_every_process_within_its_grace_period(deployment: LocalDe
     codes = _stop_all(list(deployment.pods.values()), grace=grace)
     assert time.monotonic() - started < grace
     assert codes == {name: 0 for name in deployment.pods}, {n: p.output()[-800:] for n, p in deployment.pods.items()}
+
+
+# ------------------------------------------------------------------------------------ a real federation: one site
+
+
+def _site_data(directory: Path, clients: int, per_client: int) -> None:
+    """The site's own files, as its operator copies them onto the data volume: one .npz per client (Fashion-MNIST
+    images the site holds), named so that natural order maps them onto the site's client ids."""
+    from fairfl.data.datasets import load_dataset
+
+    train = load_dataset("fashion_mnist", "train")
+    x = np.asarray(train.x, dtype=np.float32).reshape(len(train.x), 1, 28, 28)
+    y = np.asarray(train.y, dtype=np.int64)
+    for i in range(clients):
+        rows = slice(i * per_client, (i + 1) * per_client)
+        np.savez(directory / f"client-{i}.npz", x=x[rows], y=y[rows])
+
+
+def _read_only(root: Path, writable: bool = False) -> None:
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o755 if path.is_dir() else 0o644) if writable else (0o555 if path.is_dir() else 0o444))
+
+
+def test_site_agent_joins_the_central_federation(tmp_path: Path) -> None:
+    """The per-site pattern end to end: the central overlay's services and the site-example overlay's agent, started
+    as their pods would be, with the certificates docs/deploy.md section 6 issues (the site's identity limited to its
+    clients, the aggregator's valid for the public name) and the site's data on a read-only mount. The agent reports
+    its data's signature, the central experiment (shortened to one round over this one site) completes, and its
+    clients are the site's."""
+    if not any(FASHION_MNIST.glob("train-images-idx3-ubyte*")):
+        pytest.skip(f"Fashion-MNIST is not installed in {FASHION_MNIST} (Debian package dataset-fashion-mnist)")
+    from cryptography import x509
+
+    from fairfl import tls
+
+    central, site = render_overlay("central"), render_overlay("site-example")
+    (agent_w,) = workloads(site)
+    site_env = env_of(agent_w.container)
+    name, ranges = site_env["FAIRFL_AGENT_NAME"], site_env["FAIRFL_CLIENTS"]
+    public_host = site_env["FAIRFL_AGGREGATOR_ADDRESS"].rpartition(":")[0]
+    docs_text = (REPO / "docs" / "deploy.md").read_text()
+    assert f"--host {public_host}" in docs_text and f"--agent {name}={ranges}" in docs_text
+    certs = _make_certs(tmp_path, "--host", public_host, "--agent", f"{name}={ranges}")
+    cert = x509.load_pem_x509_certificate((certs / "aggregator" / "tls.crt").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert public_host in names, "the sites dial the aggregator by its public name: its certificate must cover it"
+
+    pods: dict[str, Pod] = {}
+    comp = by_component(central)
+    for component in ("aggregator", "clustering", "privacy"):
+        w = comp[component]
+        pod_name = f"{w.name}-0" if w.kind == "StatefulSet" else w.name
+        pods[pod_name] = _make_pod(central, w, pod_name, tmp_path, None, certs)
+        _bind(pods[pod_name])
+    agent = _make_pod(site, agent_w, f"{agent_w.name}-0", tmp_path, None, certs)
+    _bind(agent)
+    data = Path(agent.env["FAIRFL_DATA"].split(",", 1)[0])
+    assert data == Path(agent.reroot(SITE_DATA_MOUNT)), "FAIRFL_DATA is the read-only data mount"
+    client_ids = [i for lo, hi in tls.parse_ranges(ranges) for i in range(lo, hi + 1)]
+    _site_data(data, len(client_ids), per_client=60)
+    _read_only(data)  # as the pod mounts it
+    try:
+        for pod in pods.values():
+            _wire(pod, central, pods)
+            pod.start()
+        aggregator = pods["fairfl-aggregator-0"]
+        aggregator.wait_announced()
+        agent.env["FAIRFL_AGGREGATOR_ADDRESS"] = f"127.0.0.1:{aggregator.grpc_port}"  # fairfl.example.org, here
+        agent.start()
+        for pod in [*pods.values(), agent]:
+            pod.wait_announced()
+        config = find(central, "ConfigMap", "fairfl-experiment")["data"]["experiment.yaml"]
+        assert "dataset: site" in config
+        output = tmp_path / "submitted"
+        args = [*SUBMIT]
+        args[1], args[3] = aggregator.reroot(args[1]), f"127.0.0.1:{aggregator.grpc_port}"
+        overrides = [f"data.num_clients={len(client_ids)}", "runtime.agents=1", "selection.clients_per_round=5"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "fairfl.compose", *args, "--rounds", "1", "--output", str(output)]
+            + [arg for o in overrides for arg in ("--set", o)],
+            env=aggregator.env,
+            cwd=aggregator.cwd,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        logs = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{aggregator.output()}\n{agent.output()}"
+        assert proc.returncode == 0, logs
+        results = json.loads((output / "results.json").read_text())
+        evaluated = {int(row["client_id"]) for row in csv.DictReader((output / "clients.csv").open())}
+        assert evaluated == set(client_ids), "the fairness report lists the site's clients, and only those"
+        assert results["final_fairness"]["evaluated_clients"] == len(client_ids), logs
+        registered = [line for line in aggregator.log if f"'{name}'" in line and f"{len(client_ids)} clients" in line]
+        assert registered, f"the aggregator's log names the site and its clients:\n{logs}"
+    finally:
+        _stop_all([*pods.values(), agent])
+        _read_only(data, writable=True)

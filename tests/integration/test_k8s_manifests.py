@@ -1,13 +1,18 @@
 """The Kubernetes manifests as `kubectl kustomize` renders them (deploy/k8s): every overlay renders, and the rendered
 objects are safe, consistent with each other, with the code, and with deploy/prometheus and deploy/grafana.
 
+Overlays of two kinds: the whole federation in one cluster (dev, gpu, monitoring: the demo), and a real federation
+split in two (central: the federation's services; site-example: one site's agent, in the site's own cluster, with the
+site's data mounted read-only). Every check that applies to a component applies wherever that component is deployed.
+
 Skips only when kubectl is absent. Network policies are checked by evaluating them (Kubernetes semantics: a pod
 selected by a policy of a direction is isolated in that direction and reachable only as some rule allows) over every
-pair of FairFL pods and a few outside peers, against the round lifecycle's flows written down below.
+pair of FairFL pods and a few outside peers and addresses, against the round lifecycle's flows written down below.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import shutil
@@ -20,6 +25,8 @@ import yaml
 
 from fairfl.config import experiment_from_yaml
 from tests.k8s_support import (
+    ALL_OVERLAYS,
+    CENTRAL_OVERLAYS,
     COMPONENTS,
     GRPC_PORTS,
     HEALTH_PORTS,
@@ -28,6 +35,11 @@ from tests.k8s_support import (
     NAMESPACE,
     OVERLAYS,
     REPO,
+    SERVICE_COMPONENTS,
+    SITE_DATA_MOUNT,
+    SITE_EXAMPLE,
+    SITE_OVERLAYS,
+    SITE_STANDALONE,
     TLS_MOUNT,
     Workload,
     by_component,
@@ -35,7 +47,10 @@ from tests.k8s_support import (
     env_of,
     find,
     labels_match,
+    load_manifest,
     of_kind,
+    overlay_components,
+    parse_dockerfile,
     quantity,
     render,
     render_overlay,
@@ -67,12 +82,32 @@ ROUND_LIFECYCLE_FLOWS = {
     ("aggregator", "dns", "TCP", 53),
 }
 SCRAPE_FLOWS = {("prometheus", c, "TCP", port) for c, port in METRICS_PORTS.items()}
+# A real federation: the sites' agents reach the aggregator from outside its cluster, by address (the example's
+# documentation addresses: deploy/k8s/overlays/central/sites-ingress.yaml, site-example/aggregator-egress.yaml).
+SITE_ADDRESSES = {"site-a-address": "198.51.100.7", "site-b-address": "198.51.100.8", "site-c-address": "203.0.113.9"}
+AGGREGATOR_ADDRESS = "192.0.2.10"  # where fairfl.example.org, the site example's aggregator, resolves
+CENTRAL_FLOWS = {
+    *((site, "aggregator", "TCP", 50051) for site in SITE_ADDRESSES),  # the sites' agents, over mutual TLS
+    ("aggregator", "clustering", "TCP", 50052),
+    ("aggregator", "privacy", "TCP", 50053),
+    ("aggregator", "dns", "UDP", 53),
+    ("aggregator", "dns", "TCP", 53),
+}
+SITE_FLOWS = {
+    ("agent", "aggregator-address", "TCP", 50051),  # the one flow out of a site besides DNS
+    ("agent", "dns", "UDP", 53),
+    ("agent", "dns", "TCP", 53),
+}
 EXPECTED_FLOWS = {
     "dev": ROUND_LIFECYCLE_FLOWS,
     "gpu": ROUND_LIFECYCLE_FLOWS,
     "monitoring": ROUND_LIFECYCLE_FLOWS | SCRAPE_FLOWS,
+    "central": CENTRAL_FLOWS,
+    "site-example": SITE_FLOWS,
 }
-# Peers outside the FairFL pods: (namespace, namespace labels, pod labels); "internet" is an address, not a pod.
+# Addresses outside every cluster (not pods): only an ipBlock can match them.
+OUTSIDE_ADDRESSES = {**SITE_ADDRESSES, "aggregator-address": AGGREGATOR_ADDRESS, "internet": "203.0.113.200"}
+# Peers outside the FairFL pods: (namespace, namespace labels, pod labels); OUTSIDE_ADDRESSES are addresses instead.
 OUTSIDE_PEERS: dict[str, tuple[str, dict[str, str], dict[str, str]] | None] = {
     "dns": ("kube-system", {"kubernetes.io/metadata.name": "kube-system"}, {"k8s-app": "kube-dns"}),
     "prometheus": (
@@ -87,7 +122,7 @@ OUTSIDE_PEERS: dict[str, tuple[str, dict[str, str], dict[str, str]] | None] = {
     ),
     "stranger-in-namespace": (NAMESPACE, {"kubernetes.io/metadata.name": NAMESPACE}, {"app": "debug"}),
     "stranger-elsewhere": ("default", {"kubernetes.io/metadata.name": "default"}, {"app": "debug"}),
-    "internet": None,
+    **dict.fromkeys(OUTSIDE_ADDRESSES),
 }
 PROBED_PORTS = sorted(
     {("TCP", p) for p in (*GRPC_PORTS.values(), *METRICS_PORTS.values(), 22, 80, 443, 53, 9090, 3000)}
@@ -95,7 +130,7 @@ PROBED_PORTS = sorted(
 )
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
+@pytest.fixture(scope="module", params=ALL_OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     return request.param, render_overlay(request.param)
 
@@ -110,10 +145,10 @@ def _pods(docs: list[dict[str, Any]]) -> Iterable[tuple[Workload, dict[str, Any]
 
 
 def test_every_overlay_and_the_base_render() -> None:
-    for directory in [K8S / "base", *(K8S / "overlays" / o for o in OVERLAYS)]:
+    for name, directory in [("base", K8S / "base"), *((o, K8S / "overlays" / o) for o in ALL_OVERLAYS)]:
         docs = render(directory)
-        assert {w.component for w in workloads(docs)} == set(COMPONENTS), directory
-    assert sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir()) == sorted(OVERLAYS)
+        assert {w.component for w in workloads(docs)} == overlay_components(name), directory
+    assert sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir()) == sorted(ALL_OVERLAYS)
 
 
 def test_everything_lands_in_the_fairfl_namespace(overlay: tuple[str, list[dict[str, Any]]]) -> None:
@@ -194,7 +229,7 @@ def test_read_only_root_leaves_the_writable_paths_the_code_needs(overlay: tuple[
         mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
         assert "/tmp" in mounts and "/home/fairfl" in mounts, f"{w.name}: /tmp and $HOME must be writable"
         for m in mounts.values():
-            assert m["mountPath"] in ("/etc/fairfl", TLS_MOUNT) or not m.get("readOnly"), m
+            assert m["mountPath"] in ("/etc/fairfl", TLS_MOUNT, SITE_DATA_MOUNT) or not m.get("readOnly"), m
         db = env_of(c).get("FAIRFL_PRIVACY_DB")
         if db is not None:
             parent = str(Path(db).parent)
@@ -203,19 +238,24 @@ def test_read_only_root_leaves_the_writable_paths_the_code_needs(overlay: tuple[
 
 
 def test_stateful_components_are_single_writers_with_volumes(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    _, docs = overlay
+    name, docs = overlay
     comp = by_component(docs)
-    for name in ("aggregator", "privacy"):
-        w = comp[name]
-        assert w.kind == "StatefulSet" and w.replicas == 1, name
+    assert set(comp) == overlay_components(name)
+    for component in {"aggregator", "privacy"} & set(comp):
+        w = comp[component]
+        assert w.kind == "StatefulSet" and w.replicas == 1, component
         templates = w.obj["spec"]["volumeClaimTemplates"]
         assert templates and all(t["spec"]["accessModes"] == ["ReadWriteOnce"] for t in templates)
         mounted = {m["name"] for m in w.container.get("volumeMounts", [])}
         assert {t["metadata"]["name"] for t in templates} <= mounted
-    assert comp["clustering"].kind == "Deployment" and comp["clustering"].replicas == 1, (
-        "clustering state is per process"
-    )
-    assert comp["agent"].kind == "StatefulSet", "agents derive their clients from their ordinal"
+    if "clustering" in comp:
+        assert comp["clustering"].kind == "Deployment" and comp["clustering"].replicas == 1, (
+            "clustering state is per process"
+        )
+    if name in SITE_OVERLAYS:  # one pod at a time holds the site's identity and client ids, even during a rollout
+        assert comp["agent"].kind == "StatefulSet" and comp["agent"].replicas == 1
+    elif "agent" in comp:
+        assert comp["agent"].kind == "StatefulSet", "agents derive their clients from their ordinal"
     for w in workloads(docs):
         if w.kind == "StatefulSet":
             service = find(docs, "Service", w.obj["spec"]["serviceName"])
@@ -262,7 +302,7 @@ def _service_target(docs: list[dict[str, Any]], address: str) -> tuple[Workload,
 
 
 def test_service_addresses_reach_the_right_component(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    _, docs = overlay
+    name, docs = overlay
     comp = by_component(docs)
     wanted = {
         ("aggregator", "FAIRFL_CLUSTERING_ADDRESS"): "clustering",
@@ -270,6 +310,9 @@ def test_service_addresses_reach_the_right_component(overlay: tuple[str, list[di
         ("agent", "FAIRFL_AGGREGATOR_ADDRESS"): "aggregator",
     }
     for (src, var), dst in wanted.items():
+        if src not in comp or dst not in comp:  # a site's aggregator is in another cluster: test_site_* below
+            assert name in (*CENTRAL_OVERLAYS, *SITE_OVERLAYS), (name, src, dst)
+            continue
         w, port = _service_target(docs, env_of(comp[src].container)[var])
         assert w.component == dst and port == GRPC_PORTS[dst], var
         bind = {"aggregator": "FAIRFL_AGGREGATOR_BIND", "clustering": "FAIRFL_CLUSTERING_BIND"}.get(dst)
@@ -282,15 +325,17 @@ def test_every_component_speaks_mutual_tls_with_its_own_secret(overlay: tuple[st
     where FAIRFL_TLS_DIR points, readable by its fsGroup only, and nothing asks for plaintext."""
     from fairfl import tls
 
-    _, docs = overlay
-    assert set(by_component(docs)) == {*tls.SERVICES, "agent"}, "one `fairfl certs` identity per component"
+    overlay_name, docs = overlay
+    assert set(tls.SERVICES) == set(SERVICE_COMPONENTS), "one `fairfl certs` identity per component"
     for name, w in by_component(docs).items():
         env = env_of(w.container)
         assert env["FAIRFL_TLS_DIR"] == TLS_MOUNT and "FAIRFL_INSECURE" not in env, name
         mount = {m["mountPath"]: m for m in w.container["volumeMounts"]}[TLS_MOUNT]
         assert mount["readOnly"] is True
         secret = {v["name"]: v for v in w.pod_spec["volumes"]}[mount["name"]]["secret"]
-        assert secret["secretName"] == f"fairfl-tls-{name}", name
+        # A site's agent has the site's own identity (`fairfl certs --agent <site>=<ids>` writes certs/<site>/).
+        identity = env["FAIRFL_AGENT_NAME"] if overlay_name in SITE_OVERLAYS else name
+        assert secret["secretName"] == f"fairfl-tls-{identity}", name
         assert secret["defaultMode"] & 0o007 == 0, f"{name}: the key must not be world-readable"
         assert w.pod_spec["securityContext"]["fsGroup"] == w.pod_spec["securityContext"]["runAsGroup"]
     for svc in of_kind(docs, "Service"):
@@ -344,8 +389,9 @@ def _python_text(directory: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(directory.rglob("*.py")))
 
 
-def test_experiment_configmap_passes_validation_and_fits_the_agents(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    _, docs = overlay
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_experiment_configmap_passes_validation_and_fits_the_agents(name: str) -> None:
+    docs = render_overlay(name)
     data = find(docs, "ConfigMap", "fairfl-experiment")["data"]
     config = experiment_from_yaml(data["experiment.yaml"])  # the project's own validation
     agent = by_component(docs)["agent"]
@@ -376,6 +422,164 @@ def test_gpu_overlay_puts_agents_on_gpus_and_services_not() -> None:
         assert agent.container["image"].startswith("fairfl:") and env_of(agent.container)["FAIRFL_DEVICE"] == "cpu"
 
 
+# ------------------------------------------------------------------------------ a real federation: central and sites
+
+
+def _data_path(spec: str) -> str:
+    """The path of a `--data SPEC`: its first comma-separated item (the rest are options)."""
+    return spec.split(",", 1)[0].strip()
+
+
+def test_site_data_is_mounted_read_only_from_a_claim(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """A site agent's data (FAIRFL_DATA) is a PersistentVolumeClaim mounted read-only, on the volume and on the mount;
+    no other workload is given a data path or the site data's mount."""
+    name, docs = overlay
+    served = []
+    for w, c in _pods(docs):
+        env = env_of(c)
+        mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+        if "FAIRFL_DATA" not in env:
+            assert SITE_DATA_MOUNT not in mounts, w.name
+            continue
+        served.append(w.name)
+        assert w.component == "agent" and name in SITE_OVERLAYS, f"{name}/{w.name}: only a site's agent reads data"
+        path = _data_path(env["FAIRFL_DATA"])
+        assert path == SITE_DATA_MOUNT or path.startswith(SITE_DATA_MOUNT + "/"), path
+        mount = mounts[SITE_DATA_MOUNT]
+        assert mount["readOnly"] is True, "the agent must not be able to change the site's data"
+        volume = {v["name"]: v for v in w.pod_spec["volumes"]}[mount["name"]]
+        assert set(volume) == {"name", "persistentVolumeClaim"}, volume
+        assert volume["persistentVolumeClaim"]["readOnly"] is True, "read-only on the volume too"
+        others = [m for cc in w.containers + w.pod_spec.get("initContainers", []) for m in cc.get("volumeMounts", [])]
+        assert all(m.get("readOnly") for m in others if m["name"] == mount["name"]), "no writable mount of the data"
+    assert bool(served) == (name in SITE_OVERLAYS), (name, served)
+
+
+@pytest.mark.parametrize("name", SITE_OVERLAYS)
+def test_site_overlay_runs_one_agent_with_the_sites_identity(name: str, tmp_path: Path) -> None:
+    """One agent, its site's settings all set and consistent: the client ids its certificate allows (issued by the
+    documented `fairfl certs --agent <site>=<ids>`), an aggregator address outside the cluster, and nothing of the
+    demo: no Fashion-MNIST, no experiment, no ordinal-derived client range."""
+    from fairfl import tls
+
+    docs = render_overlay(name)
+    (w,) = workloads(docs)
+    env = env_of(w.container)
+    site, clients = env["FAIRFL_AGENT_NAME"], env["FAIRFL_CLIENTS"]
+    assert site and site != "site", "the overlay names its site (the component's placeholder is `site`)"
+    assert "FAIRFL_CLIENTS_PER_AGENT" not in env, "a site hosts the ids its certificate names, not an ordinal range"
+    ranges = tls.parse_ranges(clients)
+    written = tls.write_deployment(tmp_path, agents=[(site, ranges)])
+    identity = tls.identity_of((written[site] / "tls.crt").read_bytes())
+    assert identity.name == site and identity.role == tls.ROLE_AGENT
+    ids = sorted({i for lo, hi in ranges for i in range(lo, hi + 1)})
+    assert identity.unauthorized(ids) == [] and identity.unauthorized([ids[-1] + 1]) == [ids[-1] + 1]
+    host, _, port = env["FAIRFL_AGGREGATOR_ADDRESS"].rpartition(":")
+    assert host and port.isdigit() and not host.endswith(".invalid"), "the overlay sets the aggregator's address"
+    assert not [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == host], "the aggregator is elsewhere"
+    assert not of_kind(docs, "ConfigMap"), "a site submits no experiment: the federation's operator does"
+    text = yaml.safe_dump_all(docs)
+    assert "/usr/share/datasets" not in text and "fashion" not in text.lower(), "a site needs no public data set"
+    assert not of_kind(docs, "PersistentVolumeClaim"), "the data's claim is the site's, applied on its own"
+
+
+def test_site_data_files_fill_the_claim_the_agent_reads() -> None:
+    """deploy/k8s/overlays/site-example/data-pvc.yaml is the claim the agent mounts; data-loader.yaml is the only pod
+    that mounts it writable, runs as the agent's user (a read-only volume is not chowned to the pod's fsGroup: the
+    files it copies in must be the agent's) and passes the Pod Security "restricted" profile."""
+    agent = by_component(render(SITE_EXAMPLE))["agent"]
+    mount = {m["mountPath"]: m for m in agent.container["volumeMounts"]}[SITE_DATA_MOUNT]
+    claim = {v["name"]: v for v in agent.pod_spec["volumes"]}[mount["name"]]["persistentVolumeClaim"]["claimName"]
+    pvc_path, loader_path = SITE_STANDALONE
+    (pvc,) = load_manifest(pvc_path)
+    (loader,) = load_manifest(loader_path)
+    assert (pvc["kind"], pvc["metadata"]["name"], pvc["metadata"]["namespace"]) == (
+        "PersistentVolumeClaim",
+        claim,
+        NAMESPACE,
+    )
+    assert "app.kubernetes.io/part-of" not in pvc["metadata"].get("labels", {}), "kept out of the label cleanup"
+    assert loader["kind"] == "Pod" and loader["metadata"]["namespace"] == NAMESPACE
+    spec = loader["spec"]
+    (volume,) = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim
+    (c,) = spec["containers"]
+    (data_mount,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+    assert data_mount["mountPath"] == SITE_DATA_MOUNT and not data_mount.get("readOnly")
+    pod_sc, agent_sc = spec["securityContext"], agent.pod_spec["securityContext"]
+    for key in ("runAsUser", "runAsGroup"):
+        assert pod_sc[key] == agent_sc[key], key
+    assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert spec["automountServiceAccountToken"] is False
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["readOnlyRootFilesystem"] is True and not sc.get("privileged")
+    assert 0 < quantity(c["resources"]["requests"]["memory"]) <= quantity(c["resources"]["limits"]["memory"])
+
+
+def test_central_overlay_knows_the_signature_never_the_data() -> None:
+    """The federation's side: no agents, no data path anywhere, and a site-mode experiment whose signature is known
+    without opening a file; the example site's client ids are among its clients."""
+    from fairfl import tls
+    from fairfl.data import resolve_dataset, run_signature
+
+    docs = render_overlay("central")
+    assert set(by_component(docs)) == set(SERVICE_COMPONENTS)
+    for w, c in _pods(docs):
+        assert "FAIRFL_DATA" not in env_of(c), w.name
+    config = experiment_from_yaml(find(docs, "ConfigMap", "fairfl-experiment")["data"]["experiment.yaml"])
+    assert getattr(resolve_dataset(config.data.dataset), "at_sites", False) is True, "data that stays at the sites"
+    assert config.data.root is None and not config.data.download
+    signature = run_signature(config)
+    assert signature.input_shape and signature.num_classes >= 2
+    assert "/usr/share/datasets" not in yaml.safe_dump_all(docs)
+    assert config.runtime.agents == len(SITE_ADDRESSES), "one agent per site allowed in by sites-ingress.yaml"
+    site = env_of(by_component(render(SITE_EXAMPLE))["agent"].container)
+    ids = [i for lo, hi in tls.parse_ranges(site["FAIRFL_CLIENTS"]) for i in range(lo, hi + 1)]
+    assert max(ids) < config.data.num_clients, "the site's clients are the run's"
+
+
+def test_sites_reach_the_central_aggregator_where_it_listens() -> None:
+    """The site's FAIRFL_AGGREGATOR_ADDRESS port is the central aggregator's public Service port, which leads to the
+    aggregator's gRPC port; the load balancer admits the addresses the aggregator's NetworkPolicy admits."""
+    central = render_overlay("central")
+    site = env_of(by_component(render(SITE_EXAMPLE))["agent"].container)
+    port = int(site["FAIRFL_AGGREGATOR_ADDRESS"].rpartition(":")[2])
+    public = [s for s in of_kind(central, "Service") if s["spec"].get("type") == "LoadBalancer"]
+    (svc,) = public
+    assert svc["spec"]["externalTrafficPolicy"] == "Local", "keep the sites' addresses for the NetworkPolicy"
+    (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == port]
+    (w,) = [w for w in workloads(central) if labels_match(svc["spec"]["selector"], w.labels)]
+    assert w.component == "aggregator"
+    target = sp["targetPort"]
+    assert (container_ports(w.container)[target] if isinstance(target, str) else target) == GRPC_PORTS["aggregator"]
+    policy = find(central, "NetworkPolicy", "fairfl-aggregator")
+    admitted = {peer["ipBlock"]["cidr"] for rule in policy["spec"]["ingress"] for peer in rule["from"]}
+    assert set(svc["spec"]["loadBalancerSourceRanges"]) == admitted
+    assert {f"{ip}/32" for ip in SITE_ADDRESSES.values()} == admitted
+
+
+@pytest.mark.parametrize("name", (*CENTRAL_OVERLAYS, *SITE_OVERLAYS))
+def test_split_overlays_fit_the_image(name: str) -> None:
+    """What tests/unit/test_dockerfile.py checks for the demo overlays, for the overlays of a real federation: the
+    image's user and entrypoint, ports the image exposes, and volumes under directories the image owns."""
+    dockerfile = parse_dockerfile()
+    stage = dockerfile.stage("runtime")
+    user, _, group = stage.last("USER").partition(":")
+    exposed = {int(p.split("/")[0]) for p in stage.last("EXPOSE").split()}
+    runs = " ".join(stage.all("RUN"))
+    owned = set(re.findall(r"install -d -o \d+ -g \d+ ((?:/\S+ ?)+)", runs)[0].split())
+    home = stage.env()["HOME"]
+    for w in workloads(render_overlay(name)):
+        sc = w.pod_spec["securityContext"]
+        assert (sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (int(user), int(group), int(group)), w.name
+        assert w.container["command"] == stage.exec_form("ENTRYPOINT"), w.name
+        assert {p["containerPort"] for p in w.container.get("ports", [])} <= exposed, w.name
+        for m in w.container["volumeMounts"]:
+            path = m["mountPath"]
+            assert path in (home, "/tmp") or any(path == d or path.startswith(d + "/") for d in owned), (w.name, path)
+
+
 # ------------------------------------------------------------------------------------------------ network policies
 
 
@@ -392,7 +596,7 @@ def _endpoints(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
         }
     for name, peer in OUTSIDE_PEERS.items():
         out[name] = (
-            None
+            {"ip": OUTSIDE_ADDRESSES[name], "ours": False}
             if peer is None
             else {"namespace": peer[0], "ns_labels": peer[1], "labels": peer[2], "ports": {}, "ours": False}
         )
@@ -400,9 +604,16 @@ def _endpoints(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
 
 
 def _peer_matches(peer: dict[str, Any], endpoint: dict[str, Any] | None, policy_ns: str) -> bool:
-    if "ipBlock" in peer:
-        return endpoint is None  # only ever used for addresses outside the cluster
     if endpoint is None:
+        return False
+    if "ipBlock" in peer:  # only ever used for addresses outside the cluster; pods' own addresses are not matched
+        if "ip" not in endpoint:
+            return False
+        ip, block = ipaddress.ip_address(endpoint["ip"]), peer["ipBlock"]
+        return ip in ipaddress.ip_network(block["cidr"]) and not any(
+            ip in ipaddress.ip_network(cidr) for cidr in block.get("except", [])
+        )
+    if "ip" in endpoint:  # an address outside the cluster: no namespace or pod selector matches it
         return False
     if "namespaceSelector" in peer:
         if not selector_matches(peer["namespaceSelector"], endpoint["ns_labels"]):
@@ -494,6 +705,22 @@ def test_network_policy_evaluator_sees_an_open_namespace() -> None:
     assert ("agent", "internet", "TCP", 443) in allowed_flows(docs)
 
 
+def test_network_policy_evaluator_matches_addresses_by_ip_block() -> None:
+    """Guard for the evaluator's ipBlock semantics: an address matches a block it lies in, minus `except`; pods never
+    match an ipBlock here, and no pod selector matches an address."""
+    docs = render_overlay("site-example")
+    policy = find(docs, "NetworkPolicy", "fairfl-site-agent-aggregator")
+    (rule,) = policy["spec"]["egress"]
+    (peer,) = rule["to"]
+    peer["ipBlock"] = {"cidr": "0.0.0.0/0"}
+    flows = allowed_flows(docs)
+    assert {("agent", "internet", "TCP", 50051), ("agent", "aggregator-address", "TCP", 50051)} <= flows
+    peer["ipBlock"]["except"] = [f"{OUTSIDE_ADDRESSES['internet']}/32"]
+    flows = allowed_flows(docs)
+    assert ("agent", "internet", "TCP", 50051) not in flows and ("agent", "aggregator-address", "TCP", 50051) in flows
+    assert not {f for f in flows if f[1] in ("dns", "stranger-in-namespace") and f[3] == 50051}
+
+
 # ------------------------------------------------------------------------------------------------------ monitoring
 
 
@@ -539,7 +766,7 @@ def test_pod_monitor_scrapes_every_component_on_its_metrics_port() -> None:
         assert container_ports(w.container)[endpoint["port"]] == METRICS_PORTS[w.component]
         labels = _scrape_labels(monitor, w)
         assert labels["job"] == f"fairfl-{w.component}" and labels["component"] == w.component
-    for other in ("dev", "gpu"):
+    for other in ("dev", "gpu", *CENTRAL_OVERLAYS, *SITE_OVERLAYS):
         assert not of_kind(render_overlay(other), "PodMonitor")
 
 
@@ -644,7 +871,23 @@ def test_docs_cover_the_deployment() -> None:
         "--target runtime-cuda",
         "fairfl certs",
         "create secret generic fairfl-tls-",
+        # one agent per site
+        "## 6. One agent per site",
+        "--agent site-a=0-49",
+        "kubectl apply -k deploy/k8s/overlays/central",
+        "cp -r deploy/k8s/overlays/site-example",
+        "data-pvc.yaml",
+        "kubectl -n fairfl logs -f statefulset/fairfl-site-agent",
+        "fairfl runs watch",
+        "fairfl model fetch",
     ):
         assert needle.lower() in text.lower(), needle
+    # A site's own copy of the example (`cp -r deploy/k8s/overlays/site-example DEST`) exists only at the site.
+    copies = re.findall(r"cp -r deploy/k8s/overlays/site-example (\S+)", text)
     for match in re.finditer(r"deploy/k8s/[\w/.-]+", text):
-        assert (REPO / match.group(0).rstrip(".")).exists(), match.group(0)
+        path = match.group(0).rstrip(".")
+        if any(path == c or path.startswith(c + "/") or c.startswith(path + "/") for c in copies):
+            continue
+        assert (REPO / path).exists(), match.group(0)
+    for copy in copies:  # where kustomize still finds the component from
+        assert (REPO / copy / "../../components/site-agent").resolve() == (K8S / "components" / "site-agent")

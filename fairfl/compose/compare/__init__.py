@@ -2,8 +2,9 @@
 
 A comparison file names a base experiment, overrides shared by every run, and a list of labelled runs (each its own
 overrides, optionally its own seeds and the paper's numbers for that row). Every (run, seed) is one `fairfl run` in
-its own subprocess, at most `jobs` at a time. The report (comparison.md/.csv/.json and two plots) is built from each
-run's results.json by pure functions, so the table logic is testable without training.
+its own subprocess, at most `jobs` at a time. The report (comparison.md/.csv/.json and three plots) is built from each
+run's results.json by pure functions, so the table logic is testable without training. `--resume` reuses the
+(run, seed) pairs a previous invocation finished in the same output directory and runs only the others.
 
 Example::
 
@@ -30,6 +31,7 @@ from fairfl.compose.compare.command import add_compare_parser, cmd_compare, comm
 from fairfl.compose.compare.report import (
     machine_description,
     plot_accuracy_distribution,
+    plot_accuracy_over_rounds,
     plot_variance_over_rounds,
     render_csv,
     render_markdown,
@@ -80,6 +82,7 @@ __all__ = [
     "load_comparison",
     "machine_description",
     "plot_accuracy_distribution",
+    "plot_accuracy_over_rounds",
     "plot_variance_over_rounds",
     "render_csv",
     "render_markdown",

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from fairfl.compose.compare.report import write_report
-from fairfl.compose.compare.runner import run_comparison
+from fairfl.compose.compare.runner import RunningChildren, run_comparison
 from fairfl.compose.compare.spec import TRANSPORTS, int_at_least, load_comparison, slugify
+from fairfl.compose.interrupt import EXIT_INTERRUPTED, STOP_WAIT_S, Interrupted, Interrupts
 from fairfl.config import ConfigError
 
 
@@ -35,7 +36,29 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
+DEFAULT_PARENT = Path("runs")
+
+
+def _latest_output(name: str) -> Path | None:
+    """The newest default report directory of comparison `name` (runs/compare-<name>-<timestamp>), for --resume."""
+    found = sorted(p for p in DEFAULT_PARENT.glob(f"compare-{slugify(name)}-*") if p.is_dir())
+    return found[-1] if found else None
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
+    """`fairfl compare`: the first SIGINT/SIGTERM starts no further run, passes the signal on to the running ones (each
+    stops its run and writes what it finished), writes the report of the finished runs and exits 130 saying how to
+    resume; a second one forces (fairfl.compose.interrupt)."""
+    # The children get their own STOP_WAIT_S to end their runs: the comparison waits for them a little longer.
+    with Interrupts(stop_wait_s=STOP_WAIT_S + 15) as interrupts:
+        try:
+            return _compare(args, interrupts)
+        except Interrupted as err:
+            print(f"\n{err.signal_name}: interrupted before any run started", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+def _compare(args: argparse.Namespace, interrupts: Interrupts) -> int:
     try:
         spec = load_comparison(args.comparison, rounds=args.rounds, seeds=args.seeds)
         if args.jobs is not None:
@@ -43,16 +66,45 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"error: {args.comparison}: {err}", file=sys.stderr)
         return 2
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    output_dir = Path(args.output or Path("runs") / f"compare-{slugify(spec.name)}-{stamp}")
-    result = run_comparison(spec, output_dir, args.jobs, args.transport)
+    if args.output:
+        output_dir = Path(args.output)
+    elif args.resume:
+        latest = _latest_output(spec.name)
+        if latest is None:
+            print(
+                f"error: --resume: no earlier report of {spec.name!r} in {DEFAULT_PARENT}/; name its directory with "
+                "--output",
+                file=sys.stderr,
+            )
+            return 2
+        output_dir = latest
+        args.output = str(output_dir)  # the report's command line names the directory it resumed
+    else:
+        output_dir = DEFAULT_PARENT / f"compare-{slugify(spec.name)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    children = RunningChildren()
+    interrupts.running(lambda: children.signal(_signal_number(interrupts.signal_name)))
+    interrupts.on_force(children.force)
+    result = run_comparison(spec, output_dir, args.jobs, args.transport, resume=args.resume, children=children)
+    interrupts.run_ended()
     table = write_report(result, output_dir, command_line(args))
     print()
     print(table)
     for f in result.failures:
-        print(f"\nFAILED: {f.label} seed {f.seed}, exit code {f.exit_code}; log {f.log_path}:\n{f.log_tail}")
-    print(f"\n{len(result.runs)} of {len(result.runs) + len(result.failures)} runs finished; report in {output_dir}/")
+        if f.exit_code != EXIT_INTERRUPTED:
+            print(f"\nFAILED: {f.label} seed {f.seed}, exit code {f.exit_code}; log {f.log_path}:\n{f.log_tail}")
+    total = sum(len(run.seeds) for run in spec.runs)
+    print(f"\n{len(result.runs)} of {total} runs finished; report in {output_dir}/")
+    if interrupts.interrupted:
+        again = command_line(argparse.Namespace(**{**vars(args), "output": str(output_dir)}))
+        print(f"{interrupts.signal_name}: interrupted; to run the rest: {again} --resume", flush=True)
+        return EXIT_INTERRUPTED
     return 0 if result.ok else 1
+
+
+def _signal_number(name: str | None) -> int:
+    import signal
+
+    return int(signal.Signals[name]) if name else int(signal.SIGINT)
 
 
 def add_compare_parser(sub: Any) -> None:
@@ -64,4 +116,10 @@ def add_compare_parser(sub: Any) -> None:
     p.add_argument("--output", help="report directory (default: runs/compare-<name>-<timestamp>)")
     p.add_argument("--rounds", type=int, help="override the number of rounds of every run")
     p.add_argument("--seeds", type=_seed_list, help="comma-separated seeds for every run, e.g. 0,1,2")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the (run, seed) pairs an earlier invocation finished in the output directory (--output, default: "
+        "the newest runs/compare-<name>-*) and run only the others",
+    )
     p.set_defaults(func=cmd_compare)

@@ -1,4 +1,4 @@
-"""The comparison report: Markdown table and page, CSV, JSON and two plots, built from a ComparisonResult."""
+"""The comparison report: Markdown table and page, CSV, JSON and three plots, built from a ComparisonResult."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +236,7 @@ def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, 
                 },
                 "paper": {k: {"value": v.value, "spread": v.spread} for k, v in a.paper.items()},
                 "variance_by_round": [[r, _json_num(m), _json_num(s)] for r, m, s in a.variance_by_round],
+                "accuracy_by_round": [[r, _json_num(m), _json_num(s)] for r, m, s in a.accuracy_by_round],
             }
             for a, run in zip(result.algorithms(), spec.runs, strict=True)
         ],
@@ -250,6 +251,7 @@ def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, 
                 "client_accuracies": r.client_accuracies,
                 "extra": r.extra,
                 "variance_by_round": r.variance_by_round,
+                "accuracy_by_round": r.accuracy_by_round,
             }
             for r in result.runs
         ],
@@ -282,38 +284,60 @@ def plot_accuracy_distribution(result: ComparisonResult, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def plot_variance_over_rounds(result: ComparisonResult, path: Path) -> None:
-    """Variance of client accuracy at every evaluated round, mean over seeds (band: ± std over seeds)."""
+def _plot_over_rounds(
+    result: ComparisonResult,
+    path: Path,
+    curve: Callable[[AlgorithmSummary], list[tuple[int, float, float]]],
+    ylabel: str,
+    what: str,
+) -> None:
+    """One line per algorithm: the mean over its seeds at every evaluated round, a band of ± std over seeds."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7.0, 4.5), layout="constrained")
     ax = fig.add_subplot()
     for a in result.algorithms():
-        if not a.variance_by_round:
+        points = curve(a)
+        if not points:
             continue
-        rounds = [r for r, _, _ in a.variance_by_round]
-        mean = [m for _, m, _ in a.variance_by_round]
+        rounds = [r for r, _, _ in points]
+        mean = [m for _, m, _ in points]
         (line,) = ax.plot(rounds, mean, marker="o", markersize=3, label=f"{a.label} ({_plural(len(a.seeds), 'seed')})")
         if len(a.seeds) > 1:
-            lo = [m - s for _, m, s in a.variance_by_round]
-            hi = [m + s for _, m, s in a.variance_by_round]
+            lo = [m - s for _, m, s in points]
+            hi = [m + s for _, m, s in points]
             ax.fill_between(rounds, lo, hi, color=line.get_color(), alpha=0.15)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
-    ax.set_ylabel("variance of client accuracy (%²)")
-    ax.set_title(
-        f"{result.spec.name}\nvariance of client test accuracy per round, mean over seeds (band: ± std over seeds)",
-        fontsize=10,
-    )
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{result.spec.name}\n{what} per round, mean over seeds (band: ± std over seeds)", fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.savefig(path, dpi=120)
 
 
+def plot_variance_over_rounds(result: ComparisonResult, path: Path) -> None:
+    """Variance of client accuracy at every evaluated round, mean over seeds (band: ± std over seeds)."""
+    _plot_over_rounds(
+        result,
+        path,
+        lambda a: a.variance_by_round,
+        "variance of client accuracy (%²)",
+        "variance of client test accuracy",
+    )
+
+
+def plot_accuracy_over_rounds(result: ComparisonResult, path: Path) -> None:
+    """Mean client accuracy at every evaluated round, mean over seeds (band: ± std over seeds)."""
+    _plot_over_rounds(
+        result, path, lambda a: a.accuracy_by_round, "mean client accuracy (%)", "mean client test accuracy"
+    )
+
+
 def write_report(result: ComparisonResult, output_dir: Path, command_line: str) -> str:
-    """Write comparison.md/.csv/.json and the two plots; return the Markdown table."""
+    """Write comparison.md/.csv/.json and the three plots; return the Markdown table."""
     output_dir.mkdir(parents=True, exist_ok=True)
     machine = machine_description()
     algorithms = result.algorithms()
@@ -323,4 +347,5 @@ def write_report(result: ComparisonResult, output_dir: Path, command_line: str) 
     (output_dir / "comparison.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     plot_accuracy_distribution(result, output_dir / "accuracy_distribution.png")
     plot_variance_over_rounds(result, output_dir / "variance_over_rounds.png")
+    plot_accuracy_over_rounds(result, output_dir / "accuracy_over_rounds.png")
     return render_table(algorithms, result.spec.target_accuracy)

@@ -1,10 +1,21 @@
-"""Running a comparison: every (run, seed) is one `fairfl run` in its own subprocess, at most `jobs` at a time."""
+"""Running a comparison: every (run, seed) is one `fairfl run` in its own subprocess, at most `jobs` at a time.
+
+Each pair writes into <output>/<run slug>/seed<seed>/ (experiment.yaml, run.log and the run's results). With `resume`,
+a pair whose directory already holds a finished run of the same experiment (results.json of a COMPLETED run, written by
+the same transport, next to an identical experiment.yaml) is reused as it is; every other pair runs again.
+
+The `fairfl run` children run in their own sessions: a signal to the comparison (Ctrl-C) is passed on to each running
+child by `RunningChildren.signal`, so every child stops its run in order (fairfl.compose.interrupt) and writes what it
+finished, and no pair that has not started yet is started.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -12,11 +23,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
+from typing import IO
 
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
 
 LOG_TAIL_LINES = 20
+FINISHED_STATE = "RUN_STATE_COMPLETED"
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -26,11 +39,96 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def _run_one(
+class RunningChildren:
+    """The `fairfl run` subprocesses running now; `cancel` keeps new ones from starting."""
+
+    def __init__(self) -> None:
+        self.cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._processes: set[subprocess.Popen[bytes]] = set()
+
+    def start(self, cmd: list[str], log: IO[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+        """Start one child (None when cancelled); the lock makes start and `signal` exclusive, so no child starts
+        unseen by a signal being passed on."""
+        with self._lock:
+            if self.cancel.is_set():
+                return None
+            process = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            self._processes.add(process)
+            return process
+
+    def done(self, process: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._processes.discard(process)
+
+    def signal(self, signum: int) -> None:
+        """Start no more children and pass `signum` on to the running ones."""
+        with self._lock:
+            self.cancel.set()
+            for process in self._processes:
+                if process.poll() is None:
+                    with contextlib.suppress(OSError):  # it ended meanwhile
+                        process.send_signal(signum)
+
+    def force(self, grace_s: float = 5.0) -> str | None:
+        """A forced stop: pass SIGINT on again (each child forces its own way out, killing its processes and writing
+        what it received), give them `grace_s`, then SIGKILL the rest; a note for the forced exit's line."""
+        self.signal(signal.SIGINT)
+        with self._lock:
+            processes = list(self._processes)
+        deadline = time.monotonic() + grace_s
+        killed = 0
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                killed += 1
+        return f"killed {killed} fairfl run processes" if killed else None
+
+
+def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
+    return output_dir / run.slug / f"seed{seed}"
+
+
+def finished_before(
     spec: ComparisonSpec, run: RunSpec, seed: int, output_dir: Path, transport: str
-) -> SeedSummary | RunFailure:
-    """One experiment in its own `fairfl run` subprocess; its output goes to <run dir>/run.log."""
-    run_dir = output_dir / run.slug / f"seed{seed}"
+) -> SeedSummary | None:
+    """The pair's results from an earlier invocation when they can stand in for running it again: a COMPLETED run of
+    the identical experiment (experiment.yaml), over the same transport, whose results.json the report can read."""
+    run_dir = _run_dir(output_dir, run, seed)
+    try:
+        if (run_dir / "experiment.yaml").read_text() != spec.experiment(run, seed).to_yaml():
+            return None
+        results = json.loads((run_dir / "results.json").read_text())
+        if results.get("state") != FINISHED_STATE or results.get("transport") != transport:
+            return None
+        return SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing, unreadable or not a results file
+        return None
+
+
+def _run_one(
+    spec: ComparisonSpec,
+    run: RunSpec,
+    seed: int,
+    output_dir: Path,
+    transport: str,
+    children: RunningChildren | None = None,
+) -> SeedSummary | RunFailure | None:
+    """One experiment in its own `fairfl run` subprocess; its output goes to <run dir>/run.log. None: cancelled
+    before it started."""
+    children = children or RunningChildren()
+    if children.cancel.is_set():
+        return None
+    run_dir = _run_dir(output_dir, run, seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "results.json").unlink(missing_ok=True)  # never read a previous invocation's results
     experiment = run_dir / "experiment.yaml"
@@ -43,7 +141,13 @@ def _run_one(
     with log_path.open("w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        process = children.start(cmd, log, env)
+        if process is None:
+            return None
+        try:
+            code = process.wait()
+        finally:
+            children.done(process)
     if code != 0:
         return RunFailure(run.label, seed, code, _tail(log_path), str(log_path))
     try:
@@ -54,42 +158,73 @@ def _run_one(
 
 
 def run_comparison(
-    spec: ComparisonSpec, output_dir: Path, jobs: int | None = None, transport: str | None = None
+    spec: ComparisonSpec,
+    output_dir: Path,
+    jobs: int | None = None,
+    transport: str | None = None,
+    *,
+    resume: bool = False,
+    children: RunningChildren | None = None,
 ) -> ComparisonResult:
-    """Run every (run, seed) of the spec, at most `jobs` at a time; a failure is recorded, the others still finish."""
+    """Run every (run, seed) of the spec, at most `jobs` at a time; a failure is recorded, the others still finish.
+    `resume`: reuse the pairs an earlier invocation finished in `output_dir` (finished_before). `children`: the
+    running subprocesses, for a caller that passes signals on (RunningChildren.signal); pairs it cancelled before
+    they started are neither runs nor failures of the result."""
     jobs = jobs or spec.jobs
     transport = transport or spec.transport
+    children = children or RunningChildren()
     output_dir.mkdir(parents=True, exist_ok=True)
-    work = [(run, seed) for run in spec.runs for seed in run.seeds]
+    pairs = [(run, seed) for run in spec.runs for seed in run.seeds]
+    reused: dict[tuple[str, int], SeedSummary] = {}
+    if resume:
+        for run, seed in pairs:
+            previous = finished_before(spec, run, seed, output_dir, transport)
+            if previous is not None:
+                reused[(run.label, seed)] = previous
+    work = [(run, seed) for run, seed in pairs if (run.label, seed) not in reused]
     started, t0 = datetime.now().astimezone(), time.monotonic()
     lock = threading.Lock()
     done = 0
 
-    def task(item: tuple[RunSpec, int]) -> SeedSummary | RunFailure:
+    def task(item: tuple[RunSpec, int]) -> SeedSummary | RunFailure | None:
         nonlocal done
         run, seed = item
         t = time.monotonic()
-        outcome = _run_one(spec, run, seed, output_dir, transport)
+        outcome = _run_one(spec, run, seed, output_dir, transport, children)
+        if outcome is None:
+            return None
         with lock:
             done += 1
             if isinstance(outcome, SeedSummary):
                 acc = outcome.final_fairness.get("mean")
                 what = f"ok in {time.monotonic() - t:.1f}s, mean acc {acc:.2f}%" if acc is not None else "ok"
+            elif outcome.exit_code == 130:
+                what = f"interrupted; log {outcome.log_path}"
             else:
                 what = f"FAILED (exit {outcome.exit_code}); log {outcome.log_path}"
             print(f"[{done}/{len(work)}] {run.label} seed {seed}: {what}", flush=True)
         return outcome
 
-    print(f"comparison {spec.name}: {len(work)} runs, {jobs} at a time, transport {transport}, in {output_dir}/")
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        outcomes = list(pool.map(task, work))
+    plan = f"{len(pairs)} runs"
+    if resume:
+        plan += f", {len(reused)} finished before (reused), {len(work)} to run"
+    print(f"comparison {spec.name}: {plan}, {jobs} at a time, transport {transport}, in {output_dir}/", flush=True)
+    for run, seed in pairs:
+        if (run.label, seed) in reused:
+            print(f"[resume] {run.label} seed {seed}: finished before, reused", flush=True)
+    outcomes: dict[tuple[str, int], SeedSummary | RunFailure | None] = dict(reused)
+    if work:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for (run, seed), outcome in zip(work, pool.map(task, work), strict=True):
+                outcomes[(run.label, seed)] = outcome
+    ordered = [outcomes.get((run.label, seed)) for run, seed in pairs]  # spec order, whichever ran when
     return ComparisonResult(
         spec=spec,
         output_dir=output_dir,
         jobs=jobs,
         transport=transport,
-        runs=[o for o in outcomes if isinstance(o, SeedSummary)],
-        failures=[o for o in outcomes if isinstance(o, RunFailure)],
+        runs=[o for o in ordered if isinstance(o, SeedSummary)],
+        failures=[o for o in ordered if isinstance(o, RunFailure)],
         started=started,
         wall_seconds=time.monotonic() - t0,
     )

@@ -45,6 +45,7 @@ class SeedSummary:
     variance_by_round: list[tuple[int, float]]
     output_dir: str = ""
     extra: dict[str, float | None] = field(default_factory=dict)  # EXTRA_METRICS keys
+    accuracy_by_round: list[tuple[int, float]] = field(default_factory=list)  # mean client accuracy per evaluation
 
     @classmethod
     def from_results(
@@ -71,6 +72,7 @@ class SeedSummary:
             variance_by_round=[(int(r.get("round", 0)), float(r["fairness"].get("variance", 0.0))) for r in rounds],
             output_dir=output_dir,
             extra={**_extra_metrics(rounds), **_progress_metrics(results, target_accuracy)},
+            accuracy_by_round=[(int(r.get("round", 0)), float(r["fairness"].get("mean", 0.0))) for r in rounds],
         )
 
 
@@ -163,21 +165,35 @@ class AlgorithmSummary:
     paper: dict[str, PaperValue]
     variance_by_round: list[tuple[int, float, float]]  # (round, mean, std) over seeds
     failed_seeds: list[int] = field(default_factory=list)
+    accuracy_by_round: list[tuple[int, float, float]] = field(default_factory=list)  # (round, mean, std) over seeds
 
 
 def summarize(
     label: str, runs: Sequence[SeedSummary], paper: dict[str, PaperValue] | None = None, failed: Sequence[int] = ()
 ) -> AlgorithmSummary:
-    """Aggregate one algorithm's seeds: every metric as mean ± population std; variance curve per round."""
+    """Aggregate one algorithm's seeds: every metric as mean ± population std; variance and mean-accuracy curves per
+    round (mean ± std over the seeds that evaluated that round)."""
     metrics = {k: Stat.of([r.final_fairness.get(k) for r in runs]) for k in FAIRNESS_COLUMNS}
     metrics.update({k: Stat.of([r.extra.get(k) for r in runs]) for k, _, _ in EXTRA_METRICS})
     metrics["wall_seconds"] = Stat.of([r.wall_seconds for r in runs])
+    return AlgorithmSummary(
+        label,
+        sorted(r.seed for r in runs),
+        metrics,
+        dict(paper or {}),
+        curve_over_seeds([r.variance_by_round for r in runs]),
+        sorted(failed),
+        curve_over_seeds([r.accuracy_by_round for r in runs]),
+    )
+
+
+def curve_over_seeds(curves: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float, float]]:
+    """(round, mean, population std) over the seeds' (round, value) curves, at every round any seed has."""
     by_round: dict[int, list[float]] = {}
-    for r in runs:
-        for rnd, var in r.variance_by_round:
-            by_round.setdefault(rnd, []).append(var)
-    curve = [(rnd, (s := Stat.of(v)).mean, s.std) for rnd, v in sorted(by_round.items())]
-    return AlgorithmSummary(label, sorted(r.seed for r in runs), metrics, dict(paper or {}), curve, sorted(failed))
+    for curve in curves:
+        for rnd, value in curve:
+            by_round.setdefault(rnd, []).append(value)
+    return [(rnd, (s := Stat.of(v)).mean, s.std) for rnd, v in sorted(by_round.items())]
 
 
 @dataclass(frozen=True)

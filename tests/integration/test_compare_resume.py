@@ -1,0 +1,155 @@
+"""`fairfl compare --resume` (issue #20): the (run, seed) pairs a previous invocation finished are reused, the missing
+and unfinished ones run again, and the report is the one an uninterrupted comparison writes; Ctrl-C on a comparison
+stops its runs in order and says how to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = {
+    "name": "tiny-resume",
+    "seed": 0,
+    "rounds": 4,
+    "data": {"dataset": "synthetic", "num_clients": 8},
+    "model": {"name": "mlp", "params": {"hidden": [16]}},
+    "training": {"local_steps": 3, "batch_size": 20, "lr": 0.05},
+    "selection": {"clients_per_round": 3},
+    "evaluation": {"every": 2},
+    "runtime": {"agents": 2},
+}
+RUNS = [
+    {"label": "FedAvg", "set": {"strategy.name": "fedavg"}},
+    {"label": "FedAvg lr 0.5", "set": {"strategy.server_lr": 0.5}},
+]
+PAIRS = [("fedavg", 0), ("fedavg", 1), ("fedavg-lr-0-5", 0), ("fedavg-lr-0-5", 1)]
+
+pytestmark = pytest.mark.integration
+
+
+def write_comparison(directory: Path, runs: list[dict[str, Any]]) -> None:
+    (directory / "base.yaml").write_text(yaml.safe_dump(BASE))
+    spec = {"name": "resume", "base": "base.yaml", "seeds": [0, 1], "jobs": 2, "runs": runs}
+    (directory / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+def compare_cmd(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "fairfl.compose", "compare", "compare.yaml", "--output", "report", *extra]
+
+
+def compare(directory: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        compare_cmd(*extra), cwd=directory, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def without_wall_time(value: Any) -> Any:
+    """The report with the run-time measurements left out (they differ between any two invocations)."""
+    if isinstance(value, dict):
+        return {k: without_wall_time(v) for k, v in value.items() if k not in ("wall_seconds", "log_tail")}
+    if isinstance(value, list):
+        return [without_wall_time(v) for v in value]
+    return value
+
+
+def test_resume_runs_only_the_missing_and_unfinished_pairs(tmp_path: Path) -> None:
+    write_comparison(tmp_path, RUNS)
+    first = compare(tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    report_dir = tmp_path / "report"
+    full = json.loads((report_dir / "comparison.json").read_text())
+    assert len(full["runs"]) == 4
+
+    results = {pair: report_dir / pair[0] / f"seed{pair[1]}" / "results.json" for pair in PAIRS}
+    (results[("fedavg", 1)]).unlink()  # never finished
+    stopped = json.loads(results[("fedavg-lr-0-5", 0)].read_text())
+    stopped["state"] = "RUN_STATE_STOPPED"  # interrupted: its results stand for fewer rounds than asked
+    results[("fedavg-lr-0-5", 0)].write_text(json.dumps(stopped))
+    kept = {pair: results[pair].stat().st_mtime_ns for pair in (("fedavg", 0), ("fedavg-lr-0-5", 1))}
+    time.sleep(0.01)
+
+    second = compare(tmp_path, "--resume")
+    assert second.returncode == 0, second.stdout + second.stderr
+    out = second.stdout
+    assert "4 runs, 2 finished before (reused), 2 to run" in out
+    assert "[resume] FedAvg seed 0: finished before, reused" in out
+    assert "[resume] FedAvg lr 0.5 seed 1: finished before, reused" in out
+    ran = sorted(
+        line.split("] ", 1)[1].split(":")[0] for line in out.splitlines() if line.startswith("[") and "/2]" in line
+    )
+    assert ran == ["FedAvg lr 0.5 seed 0", "FedAvg seed 1"]  # the plan ran only the two
+    for pair, mtime in kept.items():
+        assert results[pair].stat().st_mtime_ns == mtime, f"{pair} ran again"
+    for pair in PAIRS:
+        assert json.loads(results[pair].read_text())["state"] == "RUN_STATE_COMPLETED"
+
+    resumed = json.loads((report_dir / "comparison.json").read_text())
+    assert [(r["label"], r["seed"]) for r in resumed["runs"]] == [(r["label"], r["seed"]) for r in full["runs"]]
+    by_pair = {(r["label"], r["seed"]): r for r in full["runs"]}
+    for run in resumed["runs"]:  # reused pairs: exactly as before, wall time included
+        if (run["label"], run["seed"]) in (("FedAvg", 0), ("FedAvg lr 0.5", 1)):
+            assert run == by_pair[(run["label"], run["seed"])]
+    # The whole report equals the uninterrupted one but for run times: the re-run pairs reproduce their numbers.
+    for key in ("algorithms", "runs", "failures"):
+        assert without_wall_time(resumed[key]) == without_wall_time(full[key]), key
+    assert (report_dir / "accuracy_over_rounds.png").stat().st_size > 0
+
+
+def test_resume_reruns_a_pair_whose_experiment_changed(tmp_path: Path) -> None:
+    write_comparison(tmp_path, RUNS[:1])
+    assert compare(tmp_path).returncode == 0
+    write_comparison(tmp_path, [{**RUNS[0], "set": {"strategy.name": "fedavg", "training.lr": 0.1}}])
+    again = compare(tmp_path, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "0 finished before (reused), 2 to run" in again.stdout
+
+
+def test_ctrl_c_stops_the_comparison_and_resume_finishes_it(tmp_path: Path) -> None:
+    slow = {"label": "Slow", "set": {"rounds": 5000, "evaluation.every": 1000}, "seeds": [0]}
+    write_comparison(tmp_path, [{**RUNS[0], "seeds": [0]}, slow])
+    spec = yaml.safe_load((tmp_path / "compare.yaml").read_text())
+    spec["jobs"] = 1
+    (tmp_path / "compare.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        compare_cmd(), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # the fast pair finishes first (jobs 1, spec order); then the slow one runs
+        lines.append(line)
+        if line.startswith("[1/2] FedAvg seed 0: ok"):
+            break
+    slow_log = tmp_path / "report" / "slow" / "seed0" / "run.log"
+    deadline = time.monotonic() + 120
+    while "[pending]" not in (slow_log.read_text() if slow_log.exists() else ""):
+        assert time.monotonic() < deadline, "the slow run never started its rounds"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    out = "".join(lines) + out
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    assert "1 of 2 runs finished" in out
+    assert "SIGINT: interrupted; to run the rest: fairfl compare compare.yaml --output report --resume" in out
+    slow_results = json.loads((tmp_path / "report" / "slow" / "seed0" / "results.json").read_text())
+    assert slow_results["state"] == "RUN_STATE_STOPPED"  # the child stopped its run and wrote what it finished
+    assert (tmp_path / "report" / "comparison.json").is_file()
+
+    slow["set"] = {"rounds": 4}  # finish the rest quickly: a changed experiment runs again, the other is reused
+    write_comparison(tmp_path, [{**RUNS[0], "seeds": [0]}, slow])
+    again = compare(tmp_path, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "2 runs, 1 finished before (reused), 1 to run" in again.stdout
+    assert "[1/1] Slow seed 0: ok" in again.stdout
