@@ -239,6 +239,11 @@ class Agent:
                 if getattr(resolve_dataset(config.data.dataset), "at_sites", False):
                     data: LocalData | FederatedData = self._site_data(config)
                     num_clients = config.data.num_clients
+                elif self.site is not None:  # a site's agent trains on its own data only, never on a run's dataset
+                    raise ConfigError(
+                        f"data.dataset {config.data.dataset!r}: this agent serves its site's own data (--data) and "
+                        "takes part only in runs whose data is at the sites (data.dataset: site)"
+                    )
                 else:
                     data = load_run_data(config)
                     num_clients = data.num_clients
@@ -506,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
             site = open_site(args.data, client_ids)
         except SiteDataError as err:
             print(f"{parser.prog}: --data: {err}", file=sys.stderr)
+            return 2
+        except Exception as err:  # a reader's own failure (an undecodable image, an unreadable file): one line
+            print(
+                f"{parser.prog}: --data {args.data}: cannot read the site's data: {type(err).__name__}: {err}",
+                file=sys.stderr,
+            )
             return 2
         signature = site.signature
         log.info(

@@ -34,6 +34,9 @@ __all__ = [
 NO_SIGNATURE = "no_data_signature"
 SIGNATURE = "data_signature"
 CLIENT_DATA = "client_data"
+MAX_STRANGERS_KEPT = 8  # unregistered ids in client_data remembered for the refusal message
+MAX_FEATURE_NAMES = 1 << 20  # a table's feature names kept from one registration (more fail the name check)
+MAX_FEATURE_NAME_CHARS = 256
 REFUSAL_REASONS = (NO_SIGNATURE, SIGNATURE, CLIENT_DATA)
 SHOWN_CHARS = 64  # of a reported feature name in a message
 
@@ -62,18 +65,29 @@ class SiteReport:
     feature_names: tuple[str, ...] = ()
     clients: dict[int, ClientCounts] = field(default_factory=dict)
     repeated: tuple[int, ...] = ()  # client ids listed more than once in client_data (the first entry is kept)
+    strangers: tuple[int, ...] = ()  # client ids in client_data the agent does not register (a few, not kept)
 
     @classmethod
     def of(cls, request: federation_pb2.RegisterRequest) -> SiteReport:
+        """The report, keeping counts of the registered clients only, so that what a registration stores is bounded
+        by the clients its certificate may host whatever client_data holds."""
+        registered = set(request.client_ids)
         clients: dict[int, ClientCounts] = {}
         repeated: list[int] = []
+        strangers: list[int] = []
         for entry in request.client_data:
-            if entry.client_id in clients:
+            if entry.client_id not in registered:
+                if len(strangers) < MAX_STRANGERS_KEPT:
+                    strangers.append(entry.client_id)
+            elif entry.client_id in clients:
                 repeated.append(entry.client_id)
-                continue
-            clients[entry.client_id] = ClientCounts(entry.num_train, entry.num_test)
+            else:
+                clients[entry.client_id] = ClientCounts(entry.num_train, entry.num_test)
         sig = request.data_signature
-        return cls(tuple(sig.input_shape), sig.num_classes, tuple(sig.feature_names), clients, tuple(repeated))
+        names = tuple(name[:MAX_FEATURE_NAME_CHARS] for name in sig.feature_names[:MAX_FEATURE_NAMES])
+        return cls(
+            tuple(sig.input_shape), sig.num_classes, names, clients, tuple(repeated[:1]), tuple(sorted(strangers))
+        )
 
     @property
     def given(self) -> bool:
@@ -174,7 +188,7 @@ def _client_data_problem(report: SiteReport, client_ids: Sequence[int]) -> str |
     registered = set(client_ids)
     if report.repeated:
         return f"client_data lists client {report.repeated[0]} more than once"
-    strangers = sorted(set(report.clients) - registered)
+    strangers = sorted({*report.strangers, *(set(report.clients) - registered)})
     if strangers:
         return (
             f"client_data names client {strangers[0]}, which the agent does not register (client_ids "

@@ -319,6 +319,11 @@ def _entries(root: Path, target: str, opts: SiteOptions, ids: list[int]) -> list
         raise SiteDataError(
             f"--data {target}: option client_column= needs PATH to be one table or .npz file holding every client"
         )
+    if not root.is_dir():  # a device, a socket, or a file whose suffix is no data format
+        raise SiteDataError(
+            f"--data {target}: {root} is neither a directory nor a data file (.npz, .npy pair directory, .csv, "
+            ".parquet or an image folder)"
+        )
     children = [p for p in sorted(root.iterdir(), key=lambda p: natural_key(p.name)) if not p.name.startswith(".")]
     if not children:
         raise SiteDataError(f"--data {target}: empty directory; expected one entry per client")

@@ -18,6 +18,7 @@ import re
 import shutil
 import struct
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def read_npz(path: Path, client_key: str | None = None) -> tuple[Part, Part | No
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {key: npz[key] for key in npz.files}
-    except (OSError, ValueError, EOFError) as err:
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as err:  # truncated or not a zip at all
         raise SiteDataError(f"{path}: not a readable .npz file ({type(err).__name__}: {err})") from None
     keys = sorted(arrays)
     if {"x_train", "y_train", "x_test", "y_test"} <= set(arrays):

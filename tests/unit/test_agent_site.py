@@ -254,6 +254,19 @@ def test_site_data_that_cannot_feed_the_run_model_is_unusable(
         agent._runtime("run-1")
 
 
+def test_a_site_agent_takes_no_part_in_a_run_on_another_dataset(tmp_path: Path) -> None:
+    """An agent started with --data trains on its site's data only: a simulation run (a public dataset the agent would
+    load itself) is refused, so a site never trains on data other than its own by mistake."""
+    agent = make_agent(fake_site(tmp_path))
+    simulation = experiment_from_dict(
+        {"data": {"dataset": "synthetic", "num_clients": 2}, "selection": {"clients_per_round": 2}}
+    )
+    agent.stub = SpecStub(simulation)  # type: ignore[assignment]
+    with pytest.raises(RunUnusable, match=r"serves its site's own data \(--data\).*data.dataset: site"):
+        agent._runtime("run-1")
+    assert agent.runtimes == {}
+
+
 class Refused(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         self._code, self._details = code, details
@@ -427,6 +440,12 @@ def test_a_bad_data_spec_stops_the_agent_with_one_line(tmp_path: Path) -> None:
     lines = env_spec.stderr.strip().splitlines()
     assert len(lines) == 1 and "holds 2 client(s)" in lines[0] and "the agent hosts 3" in lines[0], lines
     assert "Traceback" not in env_spec.stderr
+    (tmp_path / "broken.npz").write_bytes(b"not a zip: an interrupted copy")
+    for spec in (str(tmp_path / "broken.npz"), "/dev/null"):  # unreadable data, or no data at all
+        bad = run_agent(["--clients", "0", "--data", spec], tmp_path)
+        assert bad.returncode == 2, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr, bad.stderr
+        assert spec in bad.stderr
 
 
 # -- scripts/bench_site_memory.py's helpers on a small site ------------------------------------------------------------
