@@ -15,8 +15,10 @@ are then its parameters, YAML values, except `seed=`); the other items are optio
     shape=AxBxC           reshape each sample (table rows, .npz/.npy rows) to this shape
     num_classes=K         the class count (default: the class folders of an image site, else max label + 1)
     classes=A|B|C         the class names in class order: string labels (or folder names) map to their position
-    lazy=auto|true|false  read CSV and Parquet tables lazily: stream each once, a batch at a time, into a float32
-                          feature cache served from disk like `.npy` (auto, the default: tables over 256 MiB)
+    lazy=auto|true|false  read CSV and Parquet tables and image folders lazily: stream or decode each once, a
+                          batch at a time, into a float32 feature cache served from disk like `.npy` (auto, the
+                          default: tables over 256 MiB, image folders whose decoded float32 pixels, from the sizes
+                          in the headers, exceed 256 MiB)
     cache=DIR             where those caches live (default $FAIRFL_CACHE_DIR, else ~/.cache/fairfl/sites)
 
 PATH is one client's entry, or a directory holding one entry per client (natural sorted order, hidden names
@@ -38,13 +40,17 @@ way when it has two or more and test_fraction > 0) become its test set, drawn wi
 site's order (not its client id), so the same files and seed always give the same split; both sets keep file order.
 
 x is float32 and y int64. `.npy` features that are float32 in C order stay on disk (an `np.memmap`, or a
-`fairfl.data.lazy.LazyRows` of one when split at random or by client column): read them with fairfl.data.lazy. So
-do lazily read tables: the first open streams the table (Parquet a row group or less at a time, CSV a block at a
-time) into `DIR/<name>-<hash>/x.npy` plus its labels, with the checks of the in-memory path (and NaN/infinite values
-named by column); later opens reuse it while the file's size and mtime and the options label=, client_column= stay
-the same. Both paths give the same arrays. A CSV streamed this way takes each column's type from its first block
-(integers widened to float64), so a column with text further down fails there. Everything else is read into memory
-when the site is opened. Every problem is a `SiteDataError`: one line naming the path and the option.
+`fairfl.data.lazy.LazyRows` of one when split at random or by client column): read them with fairfl.data.lazy. So do
+lazily read tables: the first open streams the table (Parquet a row group or less at a time, CSV a block at a time) into
+`DIR/<name>-<hash>/x.npy` plus its labels, with the checks of the in-memory path (and NaN/infinite values named by
+column); later opens reuse it while the file's size and mtime and the options label=, client_column= stay the same. A
+CSV streamed this way takes each column's type from its first block (integers widened to float64), so a column with text
+further down fails there. Lazily read image folders stay on disk too: the first open decodes the folder's images in file
+order, up to 1,024 at a time, into `DIR/<folder>-<hash>/x.npy` (float32, (N, C, H, W)) plus their labels; later opens
+reuse it while the folder's images (relative paths, sizes, mtimes), the channel count and the labels (classes=, the
+class folders) stay the same. Both paths give the same arrays, and a bad table or image leaves no cache behind.
+Everything else is read into memory when the site is opened. Every problem is a `SiteDataError`: one line naming the
+path and the option.
 """
 
 from __future__ import annotations
@@ -68,9 +74,11 @@ from fairfl.data.site_formats import (
     IMAGE_SUFFIXES,
     LAZY_TABLE_BYTES,
     TABLE_SUFFIXES,
+    ImageScan,
     LazyTable,
     Part,
     SiteDataError,
+    cache_images,
     decode_images,
     natural_key,
     read_npy_pair,
@@ -277,7 +285,7 @@ def open_site(spec: str, client_ids: list[int]) -> SiteData:
     entries = _entries(root, source.target, opts, ids)
     parts = [p for _, train, test in entries for p in (train, test) if p is not None]
     num_classes = _labels(parts, source.target, opts)
-    _decode(parts)
+    _decode(parts, opts)
     feature_names = _features(parts, opts)
     input_shape = tuple(parts[0].x.shape[1:])
     for part in parts:
@@ -553,8 +561,10 @@ def _integral(part: Part, y: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------------- features
 
 
-def _decode(parts: list[Part]) -> None:
-    """Decode image parts, all with one channel count: 1 if every image of the site is grayscale, else 3."""
+def _decode(parts: list[Part], opts: SiteOptions) -> None:
+    """Decode image parts, all with one channel count: 1 if every image of the site is grayscale, else 3; into
+    memory, or (lazy=true, or lazy=auto for a folder whose decoded float32 exceeds LAZY_TABLE_BYTES) into a cache
+    served from disk (cache_images), with the same values."""
     scans = [p.images for p in parts if p.images is not None]
     if not scans:
         return
@@ -574,8 +584,17 @@ def _decode(parts: list[Part]) -> None:
             if size is None:
                 raise SiteDataError(f"{part.source}: no images in its class folders")
             part.x = np.empty((0, channels, size[1], size[0]), dtype=np.float32)
+        elif opts.lazy == "true" or (opts.lazy == "auto" and _large_images(part.images, channels)):
+            part.x = cache_images(part.images, channels, part.y, _cache_dir(opts), opts.classes)
+            part.lazy_ok = True
         else:
             part.x = decode_images(part.images, channels)
+
+
+def _large_images(scan: ImageScan, channels: int) -> bool:
+    """Whether the scanned images decode to more float32 bytes than LAZY_TABLE_BYTES (sizes from the headers)."""
+    assert scan.size is not None
+    return len(scan.files) * scan.size[0] * scan.size[1] * channels * 4 > LAZY_TABLE_BYTES
 
 
 def _features(parts: list[Part], opts: SiteOptions) -> tuple[str, ...] | None:

@@ -4,7 +4,9 @@ A `Part` is one set of samples as found on disk: features (numeric, any dtype; a
 files, and for tables streamed into such a cache by `stream_table`: these stay on disk), raw labels (numbers, or
 strings/folder names that fairfl.data.site maps to class indices) and, for tables, the feature column names. Images
 are scanned first (`ImageScan`: file names, sizes and modes from the headers) and decoded later, once the whole
-site's channel count is known.
+site's channel count is known: into memory (`decode_images`) or, batch by batch, into a cache like a table's
+(`cache_images`). Both caches are written by one helper (`_cached_rows`: a directory named by a key, written under
+a temporary name and renamed into place whole).
 
 Every problem is a `SiteDataError`: one line naming the file (and the column or key) and what to do.
 """
@@ -19,6 +21,7 @@ import shutil
 import struct
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ __all__ = [
     "LazyTable",
     "Part",
     "SiteDataError",
+    "cache_images",
     "decode_images",
     "natural_key",
     "read_npy_pair",
@@ -46,6 +50,7 @@ TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm", ".pbm")
 LAZY_TABLE_BYTES = 256 * 2**20  # lazy=auto streams tables larger than this into a cache (stream_table)
 _BLOCK_BYTES = 4 * 2**20  # a streamed batch: about this many bytes of float32 features (CSV: of text)
+_IMAGE_BATCH = 1024  # a decoded batch of images: at most this many, and about `_BLOCK_BYTES` (one image at least)
 _HEADER_BYTES = 128  # the fixed .npy header of a cache, rewritten in place with the row count
 _CACHE_VERSION = 1
 _GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
@@ -324,49 +329,70 @@ def stream_table(table: LazyTable, columns: tuple[str, ...] | None = None) -> Pa
     into place whole, so an agent killed meanwhile leaves no half cache (only a `.<name>.tmp-*` directory).
     """
     path = table.path
-    try:
-        stat = path.stat()
-    except OSError as err:
-        raise SiteDataError(f"{path}: cannot read it ({err})") from None
-    source = str(path.resolve())
-    key = {"version": _CACHE_VERSION, "source": source, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    stat = _stat(path)
+    key = {"version": _CACHE_VERSION, "source": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     key["label"] = table.label
     key.update({"client_column": table.client_column, "columns": None if columns is None else list(columns)})
-    prefix = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', path.stem)[:40]}-{_digest(source)[:12]}"
-    final = table.cache_dir / f"{prefix}-{_digest(json.dumps(key, sort_keys=True))[:16]}"
-    cached = _load_cache(final, table)
-    if cached is not None:
-        return cached
-    try:
-        table.cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=table.cache_dir))
-    except OSError as err:
-        raise SiteDataError(
-            f"{path}: cannot create its lazy cache in {table.cache_dir} ({err}); give cache=DIR (a writable "
-            "directory with room for the table's features as float32)"
-        ) from None
-    try:
+
+    def fill(tmp: Path) -> dict[str, Any]:
         features, y, owners = _stream_into(table, columns, tmp / "x.npy")
-        after = path.stat()
+        after = _stat(path)
         if (after.st_size, after.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
             raise SiteDataError(f"{path}: changed while it was being read; open the site again")
         np.save(tmp / "y.npy", y, allow_pickle=False)
         if owners is not None:
             np.save(tmp / "owners.npy", owners, allow_pickle=False)
-        (tmp / "meta.json").write_text(json.dumps({**key, "features": features}))
+        return {"features": features}
+
+    return _cached_rows(table.cache_dir, path, key, lambda final: _load_cache(final, table), fill)
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return path.stat()
+    except OSError as err:
+        raise SiteDataError(f"{path}: cannot read it ({err})") from None
+
+
+def _cached_rows(
+    cache_dir: Path,
+    path: Path,
+    key: dict[str, Any],
+    load: Callable[[Path], Any],
+    fill: Callable[[Path], dict[str, Any]],
+) -> Any:
+    """What `load` makes of the cache of `path` under `key` in `cache_dir`, written first by `fill` if absent.
+
+    The cache is the directory `cache_dir/<stem>-<path hash>-<key hash>`; `load(directory)` returns None when it
+    is absent or unreadable. `fill(tmp)` writes the cache's files into a fresh temporary directory in `cache_dir`
+    (raising SiteDataError on bad data) and returns what `meta.json` adds to `key`; that directory is then renamed
+    into place whole, so a failure or a killed agent leaves no cache (at most a `.<name>.tmp-*` directory).
+    """
+    source = str(path.resolve())
+    prefix = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', path.stem)[:40]}-{_digest(source)[:12]}"
+    final = cache_dir / f"{prefix}-{_digest(json.dumps(key, sort_keys=True))[:16]}"
+    cached = load(final)
+    if cached is not None:
+        return cached
+    advice = "give cache=DIR (a writable directory with room for the features as float32)"
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
+    except OSError as err:
+        raise SiteDataError(f"{path}: cannot create its lazy cache in {cache_dir} ({err}); {advice}") from None
+    try:
+        extra = fill(tmp)
+        (tmp / "meta.json").write_text(json.dumps({**key, **extra}))
         try:
             os.replace(tmp, final)
         except OSError:
             if not final.is_dir():  # else another agent finished the same cache first: use theirs
                 raise
     except OSError as err:
-        raise SiteDataError(
-            f"{path}: cannot write its lazy cache in {table.cache_dir} ({err}); give cache=DIR (a writable "
-            "directory with room for the table's features as float32)"
-        ) from None
+        raise SiteDataError(f"{path}: cannot write its lazy cache in {cache_dir} ({err}); {advice}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed into place
-    cached = _load_cache(final, table)
+    cached = load(final)
     if cached is None:
         raise SiteDataError(f"{path}: its lazy cache {final} cannot be read back; delete it and open the site again")
     return cached
@@ -403,7 +429,7 @@ def _stream_into(
     owners: list[np.ndarray] = []
     row = 0
     with open(target, "wb") as fh:
-        fh.write(_npy_header(0, len(features)))
+        fh.write(_npy_header((0, len(features))))
         try:
             for batch in batches:
                 block = np.empty((batch.num_rows, len(features)), dtype="<f4")
@@ -425,17 +451,17 @@ def _stream_into(
         if num_rows is not None and row != num_rows:
             raise SiteDataError(f"{path}: read {row} rows, its metadata says {num_rows}")
         fh.seek(0)
-        fh.write(_npy_header(row, len(features)))
+        fh.write(_npy_header((row, len(features))))
     return features, _concat(ys), (_concat(owners) if client_column is not None else None)
 
 
-def _npy_header(rows: int, cols: int) -> bytes:
-    """A `.npy` (version 1.0) header for float32 (rows, cols), always `_HEADER_BYTES` long so that it can be
+def _npy_header(shape: tuple[int, ...]) -> bytes:
+    """A `.npy` (version 1.0) header for float32 of `shape`, always `_HEADER_BYTES` long so that it can be
     rewritten in place once the row count is known."""
-    text = repr({"descr": "<f4", "fortran_order": False, "shape": (rows, cols)}).encode("latin1")
+    text = repr({"descr": "<f4", "fortran_order": False, "shape": tuple(shape)}).encode("latin1")
     room = _HEADER_BYTES - 10  # after the magic string (8 bytes) and the header length (2)
     if len(text) + 1 > room:
-        raise SiteDataError(f"a table of {rows} rows x {cols} columns is too large for the lazy cache")
+        raise SiteDataError(f"an array of shape {list(shape)} is too large for the lazy cache")
     return np.lib.format.magic(1, 0) + struct.pack("<H", room) + text.ljust(room - 1) + b"\n"
 
 
@@ -484,7 +510,7 @@ def scan_image_folder(root: Path) -> ImageScan:
             try:
                 with Image.open(image) as im:
                     mode, image_size = im.mode, im.size
-            except (OSError, UnidentifiedImageError) as err:
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as err:
                 raise SiteDataError(f"{image}: not a readable image ({err})") from None
             if size is None:
                 size, first = image_size, image
@@ -501,22 +527,96 @@ def scan_image_folder(root: Path) -> ImageScan:
 
 def decode_images(scan: ImageScan, channels: int) -> np.ndarray:
     """The scanned images as float32 (N, channels, H, W) in [0, 1] (Pillow; 'L' for 1 channel, 'RGB' for 3)."""
-    from PIL import Image
+    x = np.empty(_image_shape(scan, channels), dtype=np.float32)
+    row = 0
+    for block in _decoded_batches(scan, channels):
+        x[row : row + len(block)] = block
+        row += len(block)
+    return x
 
+
+def cache_images(scan: ImageScan, channels: int, labels: np.ndarray, cache_dir: Path, classes: Any = None) -> Any:
+    """The scanned images as `decode_images` gives them, but on disk: a read-only `np.memmap` of a float32 cache.
+
+    The images are decoded once, in file order, a batch at a time (so at most one batch is in memory), into
+    `cache_dir/<folder>-<hash>-<key>/` (x.npy float32 (N, channels, H, W), y.npy the class indices `labels`,
+    meta.json), written like a table's cache (`_cached_rows`). The key covers the folder's absolute path, each
+    image's relative path, size and mtime, the channel count and what decides the labels (`classes`, the
+    `labels` themselves): a changed image gives a new cache.
+    """
+    root = scan.root
+    shape = _image_shape(scan, channels)
+    stats = _image_stats(scan)
+    files = json.dumps(
+        [[str(f.relative_to(root)), size, mtime] for f, (size, mtime) in zip(scan.files, stats, strict=True)]
+    )
+    labels = np.ascontiguousarray(labels, dtype=np.int64)
+    key = {"version": _CACHE_VERSION, "format": "images", "source": str(root.resolve()), "files": _digest(files)}
+    key.update({"count": len(scan.files), "shape": list(shape), "classes": None if classes is None else list(classes)})
+    key["labels"] = hashlib.sha256(labels.tobytes()).hexdigest()
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        with open(tmp / "x.npy", "wb") as fh:
+            fh.write(_npy_header(shape))
+            for block in _decoded_batches(scan, channels):
+                fh.write(memoryview(np.ascontiguousarray(block, dtype="<f4")).cast("B"))
+        for path, before in zip(scan.files, stats, strict=True):
+            if _image_stat(path) != before:
+                raise SiteDataError(f"{path}: changed while it was being read; open the site again")
+        np.save(tmp / "y.npy", labels, allow_pickle=False)
+        return {}
+
+    def load(final: Path) -> Any:
+        try:
+            y = np.load(final / "y.npy", allow_pickle=False)
+            x = np.load(final / "x.npy", mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError):
+            return None
+        if x.dtype != np.float32 or x.shape != shape or not np.array_equal(y, labels):
+            return None
+        return x
+
+    return _cached_rows(cache_dir, root, key, load, fill)
+
+
+def _image_shape(scan: ImageScan, channels: int) -> tuple[int, int, int, int]:
     if scan.size is None:
         raise SiteDataError(f"{scan.root}: no images in its class folders")
     width, height = scan.size
+    return (len(scan.files), channels, height, width)
+
+
+def _image_stat(path: Path) -> tuple[int, int]:
+    stat = _stat(path)
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _image_stats(scan: ImageScan) -> list[tuple[int, int]]:
+    return [_image_stat(path) for path in scan.files]
+
+
+def _decoded_batches(scan: ImageScan, channels: int) -> Iterator[np.ndarray]:
+    """The scanned images decoded in file order, float32 (B, channels, H, W) in [0, 1], B bounded by
+    `_IMAGE_BATCH` and `_BLOCK_BYTES`."""
+    from PIL import Image
+
+    _, _, height, width = _image_shape(scan, channels)
     mode = "L" if channels == 1 else "RGB"
-    raw = np.empty((len(scan.files), height, width, channels), dtype=np.uint8)
-    for i, path in enumerate(scan.files):  # one decode per file: inherent
-        try:
-            with Image.open(path) as im:
-                pixels = np.asarray(im.convert(mode), dtype=np.uint8)
-        except OSError as err:
-            raise SiteDataError(f"{path}: cannot decode the image ({err})") from None
-        if pixels.shape[:2] != (height, width):
-            raise SiteDataError(f"{path}: decoded to {pixels.shape[1]}x{pixels.shape[0]}, expected {width}x{height}")
-        raw[i] = pixels.reshape(height, width, channels)
-    x = raw.transpose(0, 3, 1, 2).astype(np.float32)
-    x *= np.float32(1.0 / 255.0)
-    return x
+    batch = max(1, min(_IMAGE_BATCH, _BLOCK_BYTES // (4 * channels * height * width)))
+    for start in range(0, len(scan.files), batch):
+        files = scan.files[start : start + batch]
+        raw = np.empty((len(files), height, width, channels), dtype=np.uint8)
+        for i, path in enumerate(files):  # one decode per file: inherent
+            try:
+                with Image.open(path) as im:
+                    pixels = np.asarray(im.convert(mode), dtype=np.uint8)
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+                raise SiteDataError(f"{path}: cannot decode the image ({type(err).__name__}: {err})") from None
+            if pixels.shape[:2] != (height, width):
+                raise SiteDataError(
+                    f"{path}: decoded to {pixels.shape[1]}x{pixels.shape[0]}, expected {width}x{height}"
+                )
+            raw[i] = pixels.reshape(height, width, channels)
+        x = raw.transpose(0, 3, 1, 2).astype(np.float32)
+        x *= np.float32(1.0 / 255.0)
+        yield x

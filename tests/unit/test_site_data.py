@@ -700,3 +700,121 @@ def test_lazy_csv_integers_then_decimals_across_blocks(tmp_path: Path, monkeypat
     pacsv.write_csv(feature_table(values, y[:1000], [f"f{i}" for i in range(64)]), tmp_path / "t.csv")
     spec = f"{tmp_path / 't.csv'},seed=2"
     same_clients(f"{spec},lazy=true,cache={tmp_path / 'cache'}", spec, [0])
+
+
+# ------------------------------------------------------------------------------------------------------ lazy images
+
+
+@pytest.fixture(scope="module")
+def fmnist_300() -> tuple[np.ndarray, np.ndarray]:
+    """The first 300 raw Fashion-MNIST training images, uint8 (N, 28, 28), and their labels."""
+    images = parse_idx(gzip.decompress((FMNIST / "train-images-idx3-ubyte.gz").read_bytes()))
+    labels = parse_idx(gzip.decompress((FMNIST / "train-labels-idx1-ubyte.gz").read_bytes()))
+    return np.array(images[:300]), np.array(labels[:300]).astype(np.int64)
+
+
+def write_images(folder: Path, pixels: np.ndarray, classes: list[str], start: int = 0) -> None:
+    """One PNG per image in `folder/<class>/<index>.png` (grayscale for (H, W), RGB for (H, W, 3))."""
+    for i, (image, name) in enumerate(zip(pixels, classes, strict=True)):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image, mode="L" if image.ndim == 2 else "RGB").save(folder / name / f"{start + i}.png")
+
+
+def rgb_pixels(n: int, size: int, seed: int) -> np.ndarray:
+    """`n` smooth RGB images (compress well, decode fast), uint8 (n, size, size, 3)."""
+    rng = np.random.default_rng(seed)
+    ramp = np.add.outer(np.arange(size), np.arange(size)).astype(np.int64)
+    shift = rng.integers(0, 256, (n, 1, 1, 3))
+    return ((ramp[None, :, :, None] * (1 + np.arange(3)) + shift) % 256).astype(np.uint8)
+
+
+@needs_fmnist
+def test_lazy_image_folders_equal_the_in_memory_path(tmp_path: Path, fmnist_300: tuple[np.ndarray, np.ndarray]) -> None:
+    pixels, labels = fmnist_300
+    cache = tmp_path / "cache"
+    site = tmp_path / "gray"
+    write_images(site / "c0" / "train", pixels[:120], [str(v) for v in labels[:120]])  # a given split
+    write_images(site / "c0" / "test", pixels[120:160], [str(v) for v in labels[120:160]], 120)
+    write_images(site / "c1", pixels[160:], [str(v) for v in labels[160:]], 160)  # split at random
+    clients = same_clients(f"{site},seed=3,lazy=true,cache={cache}", f"{site},seed=3,lazy=false", [4, 9])
+    assert isinstance(clients[9].train.x, LazyRows) and clients[0 + 4].train.x.shape == (120, 1, 28, 28)
+    assert len(clients[9].train) + len(clients[9].test) == 140
+    assert len(list(cache.iterdir())) == 3  # c0/train, c0/test, c1
+    # RGB: one grayscale image among RGB ones makes the whole site 3 channels; named classes, classes= order
+    rgb = tmp_path / "rgb"
+    colour = rgb_pixels(30, 28, 0)
+    names = ["bird", "cat", "dog"]
+    write_images(rgb / "a", colour[:15], [names[i % 3] for i in range(15)])
+    write_images(rgb / "b", colour[15:], [names[i % 2] for i in range(15, 30)], 15)
+    write_images(rgb / "b", pixels[:1], ["dog"], 99)
+    for extra in ("", ",classes=dog|cat|bird", ",test_fraction=0"):
+        spec = f"{rgb},seed=1{extra}"
+        got = same_clients(f"{spec},lazy=true,cache={cache}", spec, [0, 1])
+        assert got[1].train.x.shape[1:] == (3, 28, 28)
+
+
+@pytest.mark.skipif(not reset_hwm(), reason="needs Linux /proc/self/clear_refs to reset the peak RSS")
+def test_lazy_image_cache_reuse_invalidation_errors_and_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import fairfl.data.site as site_module
+
+    folder = tmp_path / "photos"
+    count, size = 80, 256  # float32 (80, 3, 256, 256): 63 MB decoded
+    decoded = count * 3 * size * size * 4
+    colour = rgb_pixels(count, size, 1)
+    write_images(folder, colour, [f"k{i % 4}" for i in range(count)])
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FAIRFL_CACHE_DIR", str(cache))
+
+    reset_hwm()
+    before = vm_hwm()
+    monkeypatch.setattr(site_module, "LAZY_TABLE_BYTES", decoded)  # auto: "small", read into memory
+    memory = open_site(f"{folder},test_fraction=0.25", [0])
+    memory_growth = vm_hwm() - before
+    assert not is_lazy(memory.clients[0].train.x)
+
+    reset_hwm()
+    before = vm_hwm()
+    monkeypatch.setattr(site_module, "LAZY_TABLE_BYTES", decoded - 1)  # auto: now "large", decoded into the cache
+    data = open_site(f"{folder},test_fraction=0.25", [0])
+    lazy_growth = vm_hwm() - before
+    first = data.clients[0]
+    assert is_lazy(first.train.x) and len(first.train) == 60
+    del data
+    written = cache_files(cache)
+    assert sorted(Path(n).name for n in written) == ["meta.json", "x.npy", "y.npy"]
+    print(f"peak RSS growth: cached {lazy_growth / 1e6:.0f} MB, in memory {memory_growth / 1e6:.0f} MB")
+    assert memory_growth > decoded, f"the control grew by only {memory_growth / 1e6:.0f} MB"
+    assert lazy_growth < 0.4 * decoded, f"decoding into the cache grew the peak RSS by {lazy_growth / 1e6:.0f} MB"
+    rows = first.train.x.rows[[0, 30, -1]]
+    assert np.array_equal(first.train.x[[0, 30, -1]], memory.clients[0].train.x[[0, 30, -1]])
+    assert np.array_equal(first.train.x[[0]], colour[rows[:1]].transpose(0, 3, 1, 2) * np.float32(1 / 255))
+    del memory
+
+    again = open_site(f"{folder},test_fraction=0.25,seed=5,lazy=true", [0]).clients[0]  # the seed: same cache
+    assert cache_files(cache) == written and not np.array_equal(again.test.y, first.test.y)
+    # an image changes: a new cache with the new values
+    changed = folder / "k1" / "1.png"
+    Image.fromarray(255 - colour[1], mode="RGB").save(changed)
+    stat = changed.stat()
+    os.utime(changed, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    new = open_site(f"{folder},test_fraction=0,lazy=true", [0]).clients[0]  # k1/1.png: after k0's 20 images
+    assert np.array_equal(new.train.x[[20]][0], (255 - colour[1]).transpose(2, 0, 1) * np.float32(1 / 255))
+    assert len({Path(n).parent for n in cache_files(cache)}) == 2
+    # a corrupt image (its header intact) and a decompression bomb: named, and no cache left behind
+    bad = tmp_path / "bad"
+    write_images(bad, colour[:6, :32, :32], ["a", "b"] * 3)
+    data_bytes = (bad / "a" / "2.png").read_bytes()
+    (bad / "a" / "2.png").write_bytes(data_bytes[: len(data_bytes) // 2])
+    empty = tmp_path / "empty-cache"
+    with pytest.raises(SiteDataError, match=r"bad/a/2\.png: cannot decode the image"):
+        open_site(f"{bad},lazy=true,cache={empty}", [0])
+    assert not empty.exists() or not list(empty.iterdir())
+    (bad / "a" / "2.png").write_bytes(data_bytes)
+    from PIL import Image as PILImage
+
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 200)  # 32x32 > 2x200: a bomb
+    with pytest.raises(SiteDataError, match=r"bad/a/0\.png: .*decompression bomb"):
+        open_site(f"{bad},lazy=true,cache={empty}", [0])
+    assert not empty.exists() or not list(empty.iterdir())
