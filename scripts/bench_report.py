@@ -9,8 +9,9 @@ Each scripts/bench_<name>.py is run as its own process with `--json PATH` (and `
 has it); its output goes to runs/bench/<name>.log. A script writes either a `figures` list (scripts/benchlib.py:
 name, value, unit, optional target {op, value}, key) or flat keys, which an adapter here turns into figures
 (bench_transfer.py's down_gbps / up_gbps ...); a script that is missing is "not run", one that fails is reported with
-its exit status and the tail of its log. The acceptance table lists every acceptance criterion of issues #9 and #20
-with the figure that measures it, its target and pass or fail.
+its exit status and the tail of its log. The acceptance table lists every acceptance criterion of issues #9 and #20,
+and issue #21's figures against the ideal parallel floor, with the figure that measures it, its target and pass or
+fail.
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ BENCHMARKS = [
         "round",
         "bench_round.py",
         "1. Round overhead",
-        "Wall time per round of the default preset over gRPC, divided by the same local training and evaluation in a "
-        "plain PyTorch loop in one process; also gRPC against the in-process transport.",
+        "Wall time per round over gRPC and in-process against the ideal parallel floor (the one-thread plain "
+        "PyTorch loop's per-client work, summed over each round's clients and divided over the usable cores), and "
+        "CPU per round of every process against the one-thread loop's, for the default preset and the "
+        "all-participating one (experiments/bench_all_participating.yaml); second, the single-process comparison: "
+        "gRPC round time divided by the same local training and evaluation in a plain PyTorch loop in one process, "
+        "and gRPC against the in-process transport.",
     ),
     Benchmark(
         "wire",
@@ -110,7 +115,7 @@ BENCHMARKS = [
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}
 
-# Acceptance criteria of issues #9 and #20: (benchmark, figure key, criterion). A figure is found by its key.
+# Acceptance criteria of issues #9, #20 and #21: (benchmark, figure key, criterion). A figure is found by its key.
 ACCEPTANCE = [
     ("round", "grpc_over_plain", "Round overhead ≤ 1.15x the plain loop (default preset, 2-core CPU, loopback)"),
     ("wire", "wire_over_raw", "Lossless bytes on the wire ≤ 1.02x raw tensor bytes"),
@@ -120,6 +125,24 @@ ACCEPTANCE = [
     ("aggregation", "peak_ratio_1000", "Aggregator peak memory for 1000 updates ≤ 2x its memory for 10"),
     ("scale", "completed", "1000 logical clients: the run completes (time per round and memory in section 5)"),
     ("site_memory", "agent_peak_rss", "A site dataset of at least 2 GB trains with the agent's peak RSS under 1 GB"),
+    ("round", "grpc_over_floor", "#21: gRPC round time ≤ 1.20x the ideal parallel floor (default preset, mTLS)"),
+    ("round", "all_grpc_over_floor", "#21: gRPC round time ≤ 1.20x the ideal parallel floor (all-participating)"),
+    (
+        "round",
+        "grpc_cpu_over_floor",
+        "#21: gRPC CPU per round, all processes ≤ 1.15x the one-thread plain loop's (default preset)",
+    ),
+    (
+        "round",
+        "all_grpc_cpu_over_floor",
+        "#21: gRPC CPU per round, all processes ≤ 1.15x the one-thread plain loop's (all-participating)",
+    ),
+    ("round", "inprocess_over_floor", "#21: in-process round time ≤ 1.20x the ideal parallel floor (default preset)"),
+    (
+        "round",
+        "all_inprocess_over_floor",
+        "#21: in-process round time ≤ 1.20x the ideal parallel floor (all-participating)",
+    ),
 ]
 
 
@@ -365,7 +388,7 @@ def _cell(text: str) -> str:
 
 def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> str:
     """The markdown report of `records` (benchmark name -> record)."""
-    lines = ["# Benchmarks (issues #9 and #20)", ""]
+    lines = ["# Benchmarks (issues #9, #20 and #21)", ""]
     if quick:
         lines += [
             "**Smoke pass (`make bench BENCH_QUICK=1`): fewer rounds and repeats; these are not the figures.**",
@@ -375,7 +398,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
         f"Written by `make bench` (scripts/bench_report.py) on {generated}. Each section gives the command that "
         "produced its figures (run from the repository root; `make bench` runs them all, `python "
         "scripts/bench_report.py --only NAME` one again) and the machine it ran on. Figures with a target are issues "
-        "#9 and #20's acceptance criteria.",
+        "#9, #20 and #21's acceptance criteria (#21's rows are marked).",
         "",
     ]
     machine = next(

@@ -235,3 +235,32 @@ def test_main_keeps_earlier_figures_when_one_benchmark_runs_again(
     assert set(json.loads(out.with_suffix(".json").read_text())) == {"wire", "round"}
     with pytest.raises(SystemExit):
         bench_report.main(["--only", "nonsense", "--output", str(out)])
+
+
+def test_issue_21s_floor_figures_are_their_own_acceptance_rows() -> None:
+    floor = [
+        benchlib.figure("g", 2.31, "x", ("<=", 1.20), key="grpc_over_floor"),
+        benchlib.figure("g all", 1.19, "x", ("<=", 1.20), key="all_grpc_over_floor"),
+        benchlib.figure("c", 1.02, "x", ("<=", 1.15), key="grpc_cpu_over_floor"),
+        benchlib.figure("i all", 2.5, "x", ("<=", 1.20), key="all_inprocess_over_floor"),
+        benchlib.figure("r", 1.08, "x", ("<=", 1.15), key="grpc_over_plain"),
+    ]
+    md = bench_report.render({"round": {"status": "ok", "result": result(floor)}}, quick=False, generated="now")
+    rows = acceptance_rows(md)
+    assert rows["#21: gRPC round time ≤ 1.20x the ideal parallel floor (default preset, mTLS)"] == [
+        "2.310x",
+        "≤ 1.200x",
+        "FAIL",
+    ]
+    assert rows["#21: gRPC round time ≤ 1.20x the ideal parallel floor (all-participating)"][2] == "pass"
+    assert rows["#21: gRPC CPU per round, all processes ≤ 1.15x the one-thread plain loop's (default preset)"][2] == (
+        "pass"
+    )
+    assert rows["#21: in-process round time ≤ 1.20x the ideal parallel floor (all-participating)"][2] == "FAIL"
+    # A figure the script did not report is not evaluated, never passed; issue #9's row stays as it was.
+    assert rows["#21: in-process round time ≤ 1.20x the ideal parallel floor (default preset)"] == [
+        "not reported",
+        "",
+        "not evaluated",
+    ]
+    assert rows["Round overhead ≤ 1.15x the plain loop (default preset, 2-core CPU, loopback)"][2] == "pass"
