@@ -8,9 +8,16 @@ leaves a usable state (docs/reliability.md):
 - `checkpoint.pb`: a `fairfl.v1.Checkpoint` replaced atomically (temp file, fsync, rename, fsync of the directory)
   when the run starts and after every round: config, round, model, strategy / DP / privacy-gate / selector state,
   RNG states, and the key of the run's task ids (a resumed run issues the same ids for the same tasks).
-- `pending.pb`: the round about to be authorised by the privacy gate, written before the ledger call (selection and
-  candidate count), so a resumed run re-runs that round with the same selection and the ledger recognises the
-  identical authorisation (or, if the crash came before the ledger call, records it for the first time).
+- `pending.pb`: every round authorised by the privacy gate and not yet in the checkpoint, each appended (and
+  fdatasynced) before its ledger call (selection and candidate count), so a resumed run re-runs those rounds with the
+  same selections and the ledger recognises the identical authorisations (or, if the crash came before the ledger
+  call, records the last for the first time). Older aggregators wrote one bare PendingRound here; it still reads.
+
+A round's checkpoint is written off the round's critical path: the engine snapshots its state when the round ends
+and a writer thread (one, in round order) appends the event, replaces the checkpoint and only then reports the
+round (`completed`'s `emit`), while the next round already trains. So a reported round is always on disk, and a
+crash while a write is in flight loses no reported round: the round it was writing was authorised, so it is in
+`pending.pb` and is re-run as authorised, with the next one (see RunCheckpointer).
 
 Nothing is pickled: state trees are JSON with tensors as raw little-endian bytes (fairfl.codec).
 """
@@ -20,12 +27,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import random
 import re
 import struct
+import threading
 import time
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -73,7 +83,7 @@ class RoundEngine(Protocol):
     round: int
     completed_round: int
     start_round: int
-    replay: tuple[int, list[int], int] | None
+    replay: dict[int, tuple[list[int], int]]  # round -> (selected, population) authorised before a crash
 
 
 FORMAT_VERSION = 1
@@ -81,6 +91,11 @@ CHECKPOINT_FILE = "checkpoint.pb"
 EVENTS_FILE = "rounds.log"
 PENDING_FILE = "pending.pb"
 _LENGTH = struct.Struct("<I")
+# pending.pb as a log: this magic, then (length, crc32, PendingRound) records. A bare PendingRound (older aggregators)
+# starts with field 1's tag (0x0a), never with this.
+PENDING_MAGIC = b"FFPENDING1\n"
+_PENDING_HEADER = struct.Struct("<II")
+PENDING_COMPACT_BYTES = 64 * 1024  # past this the log is rewritten with only the rounds a resume could still need
 _SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -138,6 +153,50 @@ def _read_events(path: Path, count: int) -> tuple[list[control_pb2.RoundEvent], 
     return events, offset
 
 
+def _pending_record(record: checkpoint_pb2.PendingRound) -> bytes:
+    payload = record.SerializeToString()
+    return _PENDING_HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _read_pending(path: Path) -> list[checkpoint_pb2.PendingRound]:
+    """The authorised rounds `path` records, in the order written; a torn last record (a crash mid-append, before
+    that round's ledger call) ends the log."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    if not data.startswith(PENDING_MAGIC):  # an older aggregator's single record
+        legacy = checkpoint_pb2.PendingRound()
+        try:
+            legacy.ParseFromString(data)
+        except Exception as err:  # protobuf's DecodeError
+            raise CheckpointError(f"{path}: not a pending-round record ({err})") from err
+        return [legacy]
+    records: list[checkpoint_pb2.PendingRound] = []
+    offset = len(PENDING_MAGIC)
+    while offset + _PENDING_HEADER.size <= len(data):
+        size, crc = _PENDING_HEADER.unpack_from(data, offset)
+        start, end = offset + _PENDING_HEADER.size, offset + _PENDING_HEADER.size + size
+        if end > len(data) or zlib.crc32(data[start:end]) != crc:
+            break
+        record = checkpoint_pb2.PendingRound()
+        record.ParseFromString(data[start:end])
+        records.append(record)
+        offset = end
+    return records
+
+
+def _still_pending(
+    records: list[checkpoint_pb2.PendingRound], run_id: str, after: int
+) -> list[checkpoint_pb2.PendingRound]:
+    """The rounds after `after` (the checkpoint's) that were authorised, each its newest record, consecutive from
+    `after + 1`: a record of an older round is in the checkpoint already."""
+    newest = {r.round: r for r in records if r.run_id == run_id and r.round > after}
+    out: list[checkpoint_pb2.PendingRound] = []
+    while (record := newest.get(after + 1 + len(out))) is not None:
+        out.append(record)
+    return out
+
+
 # --- state trees (JSON + tensors) ---------------------------------------------------------------------------------
 
 
@@ -164,6 +223,22 @@ def encode_state(tree: Any) -> tuple[str, list[checkpoint_pb2.StateTensor]]:
         raise CheckpointError(f"cannot checkpoint a {type(node).__name__} (state must be JSON data or tensors)")
 
     return json.dumps(walk(tree), allow_nan=True), tensors
+
+
+def snapshot_state(tree: Any) -> Any:
+    """A copy of a state tree that the run can no longer change (a strategy's velocity is updated in place next
+    round): containers copied, tensors cloned. What encode_state accepts, refused here with the same message."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, dict):
+        return {k: snapshot_state(v) for k, v in tree.items()}  # keys are immutable (str, int, tuples of them)
+    if isinstance(tree, list | tuple):
+        return type(tree)(snapshot_state(v) for v in tree)
+    if tree is None or isinstance(tree, bool | int | float | str | np.generic):
+        return tree
+    raise CheckpointError(f"cannot checkpoint a {type(tree).__name__} (state must be JSON data or tensors)")
 
 
 def decode_state(text: str, tensors: list[checkpoint_pb2.StateTensor]) -> Any:
@@ -238,11 +313,18 @@ class Loaded:
     config: ExperimentConfig
     rounds: list[control_pb2.RoundEvent]
     events_offset: int  # bytes of rounds.log the checkpoint covers
-    pending: checkpoint_pb2.PendingRound | None
+    # Rounds authorised after the checkpoint's, consecutive from its round + 1 (two when a crash came while the
+    # writer was saving a round and the next was authorised).
+    pending_rounds: list[checkpoint_pb2.PendingRound] = field(default_factory=list)
 
     @property
     def run_id(self) -> str:
         return self.checkpoint.run_id
+
+    @property
+    def pending(self) -> checkpoint_pb2.PendingRound | None:
+        """The round after the checkpoint's, when it was authorised."""
+        return self.pending_rounds[0] if self.pending_rounds else None
 
 
 def read_checkpoint(path: Path) -> tuple[checkpoint_pb2.Checkpoint, ExperimentConfig]:
@@ -270,14 +352,7 @@ def load(directory: Path) -> Loaded | None:
         return None
     checkpoint, config = read_checkpoint(path)
     rounds, offset = _read_events(directory / EVENTS_FILE, checkpoint.events)
-    pending: checkpoint_pb2.PendingRound | None = checkpoint_pb2.PendingRound()
-    pending_path = directory / PENDING_FILE
-    if pending_path.exists():
-        pending.ParseFromString(pending_path.read_bytes())
-        if pending.run_id != checkpoint.run_id or pending.round != checkpoint.round + 1:
-            pending = None  # an older round's record: that round completed and is in the checkpoint
-    else:
-        pending = None
+    pending = _still_pending(_read_pending(directory / PENDING_FILE), checkpoint.run_id, checkpoint.round)
     return Loaded(directory, checkpoint, config, rounds, offset, pending)
 
 
@@ -301,8 +376,27 @@ def find_unfinished(root: str | Path) -> list[Loaded]:
 # --- writing and restoring --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _RoundSave:
+    """What a round's checkpoint holds, taken when the round ended: the writer serialises it while the next round
+    runs (which changes the engine's state)."""
+
+    round: int
+    params: torch.Tensor  # the engine's: it replaces, never updates, its model (RoundEngine._publish_params)
+    state: dict[str, Any]  # a snapshot_state copy
+    task_key: bytes
+    event: bytes  # the serialised RoundEvent
+    emit: Callable[[], None] | None  # reports the round; called once the round is on disk
+
+
 class RunCheckpointer:
-    """Writes one run's checkpoints; the engine calls it after authorising a round, after each round and at the end."""
+    """Writes one run's checkpoints; the engine calls it after authorising a round, after each round and at the end.
+
+    A round's checkpoint is written by a writer thread (one, rounds in order), off the round's critical path: at most
+    one round is being written while the next runs, and the engine learns of a failed write at the next round's
+    authorisation or end, or at the run's end, and fails the run with it. Every authorised round stays in
+    `pending.pb` until a checkpoint covers it, so a crash while a write is in flight re-runs both that round and the
+    next as they were authorised."""
 
     def __init__(self, directory: Path, run_id: str, config: ExperimentConfig) -> None:
         self.directory = directory
@@ -310,6 +404,16 @@ class RunCheckpointer:
         self.config_yaml = config.to_yaml()
         self.events = 0
         self.events_offset = 0
+        self.durable_round = (
+            0  # the newest round whose checkpoint is on disk (the writer's; read racily, it only grows)
+        )
+        self._queue: queue.Queue[_RoundSave | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None  # a write that failed: no later round is written or reported
+        self._failure_raised = False
+        self._authorised: dict[int, bytes] = {}  # round -> its pending.pb record, while no checkpoint covers it
+        self._pending_fd: int | None = None
+        self._pending_bytes = 0
         directory.mkdir(parents=True, exist_ok=True)
 
     def start_fresh(self, engine: RoundEngine | None = None) -> None:
@@ -317,33 +421,120 @@ class RunCheckpointer:
         (round 0), so a run killed before its first round completed resumes too (its authorised round 1 included)."""
         for name in (CHECKPOINT_FILE, EVENTS_FILE, PENDING_FILE, MODEL_FILE_NAME):
             (self.directory / name).unlink(missing_ok=True)
+        self._authorised.clear()
         if engine is not None:
             self._write(engine)
 
-    def planned(self, round_number: int, selected: list[int], population: int) -> None:
-        """The round about to be authorised (written before the ledger call, see RoundEngine._run_round)."""
-        record = checkpoint_pb2.PendingRound(
-            run_id=self.run_id, round=round_number, selected=selected, population=population
-        )
-        atomic_write(self.directory / PENDING_FILE, record.SerializeToString())
+    # -- the round about to be authorised (engine thread) -------------------------------------------------------------
 
-    def completed(self, engine: RoundEngine, event: control_pb2.RoundEvent) -> None:
-        """Append the round's event, then replace the checkpoint; observed in fairfl_checkpoint_duration_seconds."""
-        with telemetry.CHECKPOINT_DURATION.time():
-            payload = event.SerializeToString()
-            with open(self.directory / EVENTS_FILE, "r+b" if self.events_offset else "wb") as fh:
-                fh.seek(self.events_offset)
-                fh.write(_LENGTH.pack(len(payload)) + payload)
-                fh.truncate()
-                fh.flush()
-                os.fsync(fh.fileno())
-            self.events += 1
-            self.events_offset += _LENGTH.size + len(payload)
-            self._write(engine)
+    def planned(self, round_number: int, selected: list[int], population: int) -> None:
+        """The round about to be authorised (written before the ledger call, see RoundEngine._authorize): appended to
+        pending.pb and fdatasynced (one flush, no rename), with the earlier rounds no checkpoint covers yet."""
+        self._raise_failure()
+        record = _pending_record(
+            checkpoint_pb2.PendingRound(
+                run_id=self.run_id, round=round_number, selected=selected, population=population
+            )
+        )
+        durable = self.durable_round
+        for done in [r for r in self._authorised if r <= durable]:
+            del self._authorised[done]
+        self._authorised[round_number] = record
+        if self._pending_fd is None or self._pending_bytes + len(record) > PENDING_COMPACT_BYTES:
+            self._rewrite_pending()
+            return
+        os.write(self._pending_fd, record)
+        os.fdatasync(self._pending_fd)
+        self._pending_bytes += len(record)
+
+    def _rewrite_pending(self) -> None:
+        """pending.pb anew (atomically) with the rounds a resume could still need, then kept open for appends: at the
+        run's first round here (an older aggregator's file is replaced too) and when the log grew long."""
+        self._close_pending()
+        data = PENDING_MAGIC + b"".join(self._authorised[r] for r in sorted(self._authorised))
+        path = self.directory / PENDING_FILE
+        atomic_write(path, data)
+        self._pending_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._pending_bytes = len(data)
+
+    def _close_pending(self) -> None:
+        if self._pending_fd is not None:
+            os.close(self._pending_fd)
+            self._pending_fd = None
+
+    # -- a completed round (snapshot here, written by the writer thread) ----------------------------------------------
+
+    def completed(
+        self, engine: RoundEngine, event: control_pb2.RoundEvent, emit: Callable[[], None] | None = None
+    ) -> None:
+        """Save the round that just ended: its state is taken now, then the writer appends its event, replaces the
+        checkpoint (observed in fairfl_checkpoint_duration_seconds) and only then calls `emit`, so a reported round
+        is never lost. Waits for the previous round's write first (one in flight at most) and raises its failure."""
+        self.wait()
+        save = _RoundSave(
+            round=engine.completed_round,
+            params=engine.params,
+            state=snapshot_state(self._state(engine)),
+            task_key=bytes(engine.task_key),
+            event=event.SerializeToString(),
+            emit=emit,
+        )
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_rounds, name=f"checkpoint-{self.run_id}", daemon=True)
+            self._writer.start()
+        self._queue.put(save)
+
+    def wait(self) -> None:
+        """Until every round handed to the writer is on disk and reported; raises a write's failure (once)."""
+        self._queue.join()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
+
+    def _write_rounds(self) -> None:
+        while (save := self._queue.get()) is not None:
+            try:
+                if self._failure is None:  # after a failure nothing later is written (or reported)
+                    with telemetry.CHECKPOINT_DURATION.time():
+                        self._append_event(save.event)
+                        self._save(save.round, save.params, save.state, save.task_key)
+                    self.durable_round = save.round
+                    if save.emit is not None:
+                        save.emit()
+            except BaseException as err:  # raised in the engine's thread (wait / planned)
+                self._failure = err
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _append_event(self, payload: bytes) -> None:
+        with open(self.directory / EVENTS_FILE, "r+b" if self.events_offset else "wb") as fh:
+            fh.seek(self.events_offset)
+            fh.write(_LENGTH.pack(len(payload)) + payload)
+            fh.truncate()
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.events += 1
+        self.events_offset += _LENGTH.size + len(payload)
+
+    def close(self) -> None:
+        """Let the writer finish what it was given (its rounds reported) and end it; no failure is raised here."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        self._close_pending()
+
+    # -- the run's end ------------------------------------------------------------------------------------------------
 
     def finished(self, engine: RoundEngine, state: int, message: str) -> None:
         """Mark the run ended, so a restarted aggregator does not resume it; its model (that of its last completed
-        round) goes to model.safetensors beside the checkpoint (fairfl.model_file)."""
+        round) goes to model.safetensors beside the checkpoint (fairfl.model_file). The writer's rounds are on disk
+        first: nothing is written after the end marker."""
+        self.close()
         self._write(engine, final=(control_pb2.RunState.Name(state), message))  # type: ignore[arg-type]
         if engine.completed_round > 0:
             try:
@@ -358,8 +549,11 @@ class RunCheckpointer:
             except (ModelFileError, ConfigError) as err:  # the checkpoint stands; `fairfl model export` reads it
                 log.error("run %s: model file not written: %s", self.run_id, err)
 
-    def _write(self, engine: RoundEngine, final: tuple[str, str] | None = None) -> None:
-        state = {
+    # -- the checkpoint file ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _state(engine: RoundEngine) -> dict[str, Any]:
+        return {
             "strategy": engine.strategy.state_dict(),
             "dp": engine.dp.state_dict() if engine.dp is not None else None,
             "privacy": _component_state(engine.privacy),
@@ -368,13 +562,26 @@ class RunCheckpointer:
             "failed_rounds": engine.failed_rounds,
             "rng": _rng_state(),
         }
+
+    def _write(self, engine: RoundEngine, final: tuple[str, str] | None = None) -> None:
+        """The engine's checkpoint now, from its thread (the run's start and end: no round is running)."""
+        self._save(engine.completed_round, engine.params, self._state(engine), engine.task_key, final)
+
+    def _save(
+        self,
+        round_number: int,
+        params: torch.Tensor,
+        state: dict[str, Any],
+        task_key: bytes,
+        final: tuple[str, str] | None = None,
+    ) -> None:
         state_json, tensors = encode_state(state)
         checkpoint = checkpoint_pb2.Checkpoint(
             format_version=FORMAT_VERSION,
             run_id=self.run_id,
             experiment_yaml=self.config_yaml,
-            round=engine.completed_round,
-            model=codec.tensor_to_proto("model", engine.params.detach().to(torch.float32).contiguous()),
+            round=round_number,
+            model=codec.tensor_to_proto("model", params.detach().to(torch.float32).contiguous()),
             state_json=state_json,
             tensors=tensors,
             events=self.events,
@@ -382,7 +589,7 @@ class RunCheckpointer:
             finished=final is not None,
             final_state=final[0] if final else "",
             final_message=final[1] if final else "",
-            task_id_key=engine.task_key,
+            task_id_key=task_key,
         )
         atomic_write(self.directory / CHECKPOINT_FILE, checkpoint.SerializeToString())
 
@@ -416,13 +623,21 @@ class RunCheckpointer:
         _set_rng_state(state["rng"])
         engine.round = engine.completed_round = ckpt.round
         engine.start_round = ckpt.round + 1
-        pending = loaded.pending
-        engine.replay = (pending.round, list(pending.selected), pending.population) if pending else None
+        pending = loaded.pending_rounds
+        engine.replay = {r.round: (list(r.selected), r.population) for r in pending}
+        # Kept in pending.pb until a checkpoint covers them: a second crash must re-run them as authorised too.
+        self._authorised = {r.round: _pending_record(r) for r in pending}
+        self.durable_round = ckpt.round
         self.events, self.events_offset = len(loaded.rounds), loaded.events_offset
+        authorised = ", ".join(str(r.round) for r in pending)
         log.info(
             "run %s resumes after round %d of %d%s",
             self.run_id,
             ckpt.round,
             engine.config.rounds,
-            f"; round {pending.round} was authorised before the restart and is re-run as authorised" if pending else "",
+            f"; round {authorised} was authorised before the restart and is re-run as authorised"
+            if len(pending) == 1
+            else f"; rounds {authorised} were authorised before the restart and are re-run as authorised"
+            if pending
+            else "",
         )

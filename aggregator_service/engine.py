@@ -221,7 +221,8 @@ class RoundEngine:
         self.checkpointer: RunCheckpointer | None = None
         self.start_round = 1
         self.completed_round = 0
-        self.replay: tuple[int, list[int], int] | None = None  # (round, selected, population) authorised pre-crash
+        # round -> (selected, population) of the rounds authorised before a crash and not in its checkpoint
+        self.replay: dict[int, tuple[list[int], int]] = {}
         self.task_key = secrets.token_bytes(TASK_KEY_BYTES)  # task ids' MAC key; a resumed run gets its own back
         self.failed_rounds = 0  # consecutive rounds below runtime.min_completion
         # Streaming aggregation (fairfl/fold.py) unless something needs the round's updates whole: client-level
@@ -254,13 +255,13 @@ class RoundEngine:
                     raise RunStopped("stopped on request")
                 self.round = round_number
                 self._run_round(round_number)
+            if self.checkpointer is not None:  # the last rounds' writes: a failure fails the run, as in a round
+                self.checkpointer.wait()
             self._end(control_pb2.RUN_STATE_COMPLETED, f"completed {cfg.rounds} rounds")
             return RunSummary(self.run_id, control_pb2.RUN_STATE_COMPLETED, self.round, self.params)
         except RunStopped as stopped:
-            self._end(control_pb2.RUN_STATE_STOPPED, str(stopped))
-            return RunSummary(
-                self.run_id, control_pb2.RUN_STATE_STOPPED, self.completed_round, self.params, str(stopped)
-            )
+            state, message = self._end(control_pb2.RUN_STATE_STOPPED, str(stopped))
+            return RunSummary(self.run_id, state, self.completed_round, self.params, message)
         except Exception as err:
             if isinstance(err, ConfigError | RunRefused):
                 log.error("run %s failed: %s", self.run_id, err)
@@ -269,23 +270,34 @@ class RoundEngine:
             self._end(control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}")
             return RunSummary(self.run_id, control_pb2.RUN_STATE_FAILED, self.completed_round, self.params, str(err))
         finally:
+            if self.checkpointer is not None:  # ended otherwise (BaseException): the writer finishes what it has
+                self.checkpointer.close()
             self.transport.end_run(self.run_id)
             for peer in (self.selector, self.privacy, self.clusterer):  # remote peers hold a channel for the run
                 close = getattr(peer, "close", None)
                 if callable(close):
                     close()
 
-    def _end(self, state: int, message: str) -> None:
-        """Mark the checkpoint final (a restarted aggregator must not resume an ended run), then report. A run that
-        ended inside a round (stopped or failed after aggregating) keeps the model of its last completed round, the
-        one its last RoundEvent's model_sha256 names: that is the model it is fetched, saved and resumed with."""
+    def _end(self, state: int, message: str) -> tuple[int, str]:
+        """Mark the checkpoint final (a restarted aggregator must not resume an ended run), then report; the run's
+        final state and message. A run that ended inside a round (stopped or failed after aggregating) keeps the
+        model of its last completed round, the one its last RoundEvent's model_sha256 names: that is the model it is
+        fetched, saved and resumed with. The rounds the checkpoint writer holds are written (and reported) first; a
+        write that failed fails the run, as a failed write in a round does."""
         self.params = self.reported_params
         if self.checkpointer is not None:
+            try:
+                self.checkpointer.wait()
+            except Exception as err:
+                log.exception("run %s: a round's checkpoint could not be written", self.run_id)
+                if state != control_pb2.RUN_STATE_FAILED:
+                    state, message = control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}"
             try:
                 self.checkpointer.finished(self, state, message)
             except Exception:  # the run's outcome stands; an unmarked checkpoint is only resumed needlessly
                 log.exception("run %s: could not mark its checkpoint final", self.run_id)
         self._status(state, message)
+        return state, message
 
     def _publish_params(self) -> tensor_pb2.BlobRef:
         """Publish the global model once per version: evaluation, the round's sha256 and the next round reuse it."""
@@ -545,6 +557,8 @@ class RoundEngine:
             self._evaluate(round_number, event)
 
     def _report_round(self, round_number: int, event: control_pb2.RoundEvent, started: float) -> None:
+        if self.checkpointer is not None:  # the previous round's write; its failure fails the run before this round
+            self.checkpointer.wait()
         late, duplicate = self.transport.refused_after_close(round_number)
         event.results_late += late
         event.results_rejected += duplicate
@@ -552,9 +566,13 @@ class RoundEngine:
         event.duration_seconds = time.monotonic() - started
         self.completed_round = round_number
         self.reported_params = self.params
-        if self.checkpointer is not None:  # saved before anyone hears of the round: a reported round is never lost
-            self.checkpointer.completed(self, event)
-        self.on_event(control_pb2.RunEvent(run_id=self.run_id, round=event))
+        reported = control_pb2.RunEvent(run_id=self.run_id, round=event)  # a copy: emitted later, from the writer
+        if self.checkpointer is None:
+            self.on_event(reported)
+            return
+        # Saved before anyone hears of the round (a reported round is never lost), off the critical path: the state is
+        # taken now, the writer thread writes it and then emits the event while the next round already runs.
+        self.checkpointer.completed(self, event, lambda: self.on_event(reported))
 
     def _check_failed_rounds(self, round_number: int, event: control_pb2.RoundEvent) -> None:
         cfg = self.config
@@ -584,10 +602,10 @@ class RoundEngine:
     def _replayed(self, round_number: int, selected: list[int], population: int) -> tuple[list[int], int]:
         """A round authorised before a crash is re-run with the selection it was authorised for, so the privacy
         ledger sees the identical authorisation (and counts nothing twice) and the run matches an uninterrupted one."""
-        if self.replay is None or self.replay[0] != round_number:
+        authorised = self.replay.pop(round_number, None)
+        if authorised is None:
             return selected, population
-        _, replayed, population = self.replay
-        self.replay = None
+        replayed, population = authorised
         if replayed != selected:
             log.info("round %d: re-running the selection authorised before the restart", round_number)
         return sorted(replayed), population

@@ -297,12 +297,12 @@ class Agent:
             sha256, total = blob.header.sha256, blob.header.total_bytes
             if sha256 in self.models:
                 continue
-            parts = [tensor_pb2.Chunk(header=blob.header), tensor_pb2.Chunk(data=blob.data)]
             self._make_room()
             try:
                 if self.tls:  # one message over mutual TLS: its bytes are authenticated already (docs/security.md)
                     self.models[sha256] = _inline_model(blob, runtime)
                 else:
+                    parts = [tensor_pb2.Chunk(header=blob.header), tensor_pb2.Chunk(data=blob.data)]
                     self.models[sha256] = self._receive_model(lambda _o, _l, p=parts: iter(p), total, sha256, runtime)
             except codec.CodecError as err:
                 log.warning("inline model %s… refused (%s); fetching it instead", sha256[:12], err)
@@ -426,18 +426,19 @@ def signature_message(signature: DataSignature) -> federation_pb2.DataSignature:
 
 def _inline_model(blob: federation_pb2.InlineBlob, runtime: ClientRuntime) -> torch.Tensor:
     """An inline model checked for its size, digest format and the run's layout, not hashed again (its reply came over
-    mutual TLS); copied out of the reply, which it outlives."""
+    mutual TLS); copied out of the reply, which it outlives, into writable memory."""
     header = blob.header
     codec.check_sha256(header.sha256)  # the cache key
-    if header.total_bytes != len(blob.data) or header.total_bytes != runtime.layout.nbytes:
+    data = blob.data  # read once: each read of a bytes field is a fresh copy of the whole model
+    if header.total_bytes != len(data) or header.total_bytes != runtime.layout.nbytes:
         raise codec.CodecError(
-            f"inline model declares {header.total_bytes} bytes, carries {len(blob.data)}; the run's model has "
+            f"inline model declares {header.total_bytes} bytes, carries {len(data)}; the run's model has "
             f"{runtime.layout.nbytes}",
             "size",
         )
     runtime.layout.check_specs(list(header.tensors))
-    telemetry.AGENT_RECEIVED_BYTES.inc(len(blob.data))
-    return torch.frombuffer(bytearray(blob.data), dtype=torch.float32)
+    telemetry.AGENT_RECEIVED_BYTES.inc(len(data))
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
 
 
 _PHASES = {

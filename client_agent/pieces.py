@@ -262,8 +262,7 @@ class DpSgd(LoopOwner):
         )
         noise = dp_sgd.gaussian_like(clipped.sums, dp.noise_multiplier * dp.clip_norm, self.noise_gen)
         divisor = dp_sgd.normalizer(dp, len(state.y_train), clipped.batch)
-        state.optimizer.zero_grad(set_to_none=False)
-        for k, p in self.named.items():
+        for k, p in self.named.items():  # every parameter's gradient replaced: nothing to zero first
             p.grad = (clipped.sums[k] + noise[k]) / divisor
         return clipped.loss_total, clipped.batch
 

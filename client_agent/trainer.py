@@ -1,7 +1,10 @@
 """Local procedures of logical clients: train, probe and evaluate. The same code serves both transports.
 
-One `ClientRuntime` per process holds its clients' data and one reusable model on one device; each task loads the
-global parameters into that model, so hosting many logical clients costs one model's memory. Each client brings its
+One `ClientRuntime` per process holds its clients' data and one reusable model and optimiser on one device; each task
+loads the global parameters into that model and resets the optimiser, so hosting many logical clients costs one
+model's memory and a task allocates neither. A step does what a plain PyTorch loop does and no more: batches
+gathered with index_select, gradients set to None before backward, and SGD's update as torch._foreach_* ops
+(PlainSgd: torch.optim.SGD's arithmetic without its per-step machinery). Each client brings its
 own (train, test) sets (`LocalData`): a site's own data (fairfl.data.site), or a simulation's slices of a public
 dataset (`LocalData.of_simulation`, what a FederatedData turns into). In-memory samples are copied to the device once;
 a site's on-disk samples (a memory-mapped .npy) stay on disk and are read a batch at a time (client_agent.rows), so
@@ -9,17 +12,19 @@ an agent can train on more data than it has memory.
 
 On CUDA the host waits for the device only where a value must reach it: a round's global model is copied to the
 device once (pinned staging, non_blocking) and shared by every client trained from it; index batches go up the same
-way; losses are summed on the device and read once; updates come down into pinned buffers and the runtime
+way; losses stay on the device and are read once; updates come down into pinned buffers and the runtime
 synchronises once per task, before the result is handed on for encoding. On the CPU the arithmetic and its order
 are exactly those of a plain loop (tests compare gRPC runs bit for bit with the in-process oracle).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,7 +39,7 @@ from fairfl.data import ArrayDataset, DataSignature, FederatedData
 from fairfl.models import build_run_model
 from fairfl.params import DeviceCache, ParamLayout, flatten_on_device, load_flat, synchronize, to_device, to_host
 from fairfl.privacy import check_randomness
-from fairfl.procedure import LocalProcedure, LocalState, resolve_procedures
+from fairfl.procedure import LocalProcedure, LocalState, Optimizer, resolve_procedures
 from fairfl.protocol import EVALUATE, GRADIENT, PROBE, TRAIN, UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
 
@@ -128,6 +133,11 @@ class ClientRuntime:
         signature = data.signature  # the model the run's layout describes
         self.model = build_run_model(config, signature).to(device)
         self.layout = ParamLayout.of(self.model)
+        # The model's parameters and its optimisers live as long as the runtime: a task resets them (load_flat, a
+        # fresh optimiser state) instead of allocating new ones.
+        self.params = list(self.model.parameters())
+        self.sgd = PlainSgd(self.params)
+        self.adam: torch.optim.Adam | None = None  # built on the first Adam task
         self.resident = DeviceCache(device)  # the round's x_t (and fair gradient), on the device once per version
         self.num_classes = signature.num_classes
         self.clients: dict[int, _ClientTensors] = {}
@@ -148,7 +158,7 @@ class ClientRuntime:
             raise KeyError(f"client {task.client_id} is not hosted here")
         self.dp_policy.check(task)  # before anything touches the data
         x0 = self.resident.get(task.model.sha256, self.resolve_blob(task.model))
-        load_flat(self.model, x0)
+        load_flat(self.params, x0)
         result = ClientResult(
             task_id=task.task_id,
             run_id=task.run_id,
@@ -178,7 +188,8 @@ class ClientRuntime:
         telemetry = _telemetry(task.train, pieces)
         self._measure_before(c, state, telemetry, out)
         train_loss, mean_lr = self._run_steps(state, pieces)
-        state.update = flatten_on_device(self.model) - x0  # x_K − x_t, computed on the device where both are
+        # x_K − x_t, computed on the device where both are (in place: flatten_on_device's vector is new)
+        state.update = flatten_on_device(self.params).sub_(x0)
         out.payloads[UPDATE] = to_host(state.update)
         for owner in _owners(pieces):
             owner.release(state, out)
@@ -199,12 +210,11 @@ class ClientRuntime:
         """The loop's state at x_t: the model, its optimiser, the client's data and the step budget."""
         cfg, n = task.train, len(c.y_train)
         batch = min(cfg.batch_size, n)
-        params = list(self.model.parameters())
         return LocalState(
             config=cfg,
             model=self.model,
-            params=params,
-            optimizer=_optimizer(cfg, params),
+            params=self.params,
+            optimizer=self._optimizer(cfg),
             x0=x0,
             x_train=c.x_train,
             y_train=c.y_train,
@@ -256,9 +266,9 @@ class ClientRuntime:
         gen = torch.Generator().manual_seed(state.seed)
         order = torch.empty(0, dtype=torch.long)
         position = 0
-        # Summed on the device in float64, in step order: the same number as adding float(loss) on the host, without
-        # waiting for the device every step.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+        # Kept on the device and read once after the last step (no wait for the device per step), then added in
+        # float64 in step order: the same number as adding float(loss) on the host every step.
+        losses: list[torch.Tensor] = []
         counted = 0
         lr_sum = 0.0
         for piece in pieces:
@@ -272,13 +282,14 @@ class ClientRuntime:
                     position = 0
                 idx = order[position : position + batch]
                 position += batch
-            state.step, state.inputs, state.targets = step, state.x_train[idx], state.y_train[idx]
+            state.step, state.inputs, state.targets = step, _rows(state.x_train, idx), _rows(state.y_train, idx)
             loss, count = _step(state, hooks)
-            loss_sum += loss.detach()
+            losses.append(loss.detach())
             counted += count
             lr_sum += state.lr
         steps = max(state.steps, 1)
-        return float(loss_sum) / max(counted, 1), lr_sum / steps if hooks.step_lr else state.base_lr
+        loss_sum = functools.reduce(operator.add, torch.stack(losses).tolist(), 0.0) if losses else 0.0
+        return loss_sum / max(counted, 1), lr_sum / steps if hooks.step_lr else state.base_lr
 
     def _probe(self, task: federation_pb2.Task, c: _ClientTensors, out: ClientResult) -> None:
         cfg = task.probe
@@ -291,7 +302,7 @@ class ClientRuntime:
             batches = max(cfg.gradient_batches, 1)
             for _ in range(batches):
                 idx = to_device(torch.randperm(len(c.y_train), generator=gen)[:batch], self.device)
-                loss = F.cross_entropy(self.model(c.x_train[idx]), c.y_train[idx]) / batches
+                loss = F.cross_entropy(self.model(_rows(c.x_train, idx)), _rows(c.y_train, idx)) / batches
                 loss.backward()
             out.payloads[GRADIENT] = to_host(torch.cat([p.grad.reshape(-1) for p in self.model.parameters()]).float())
 
@@ -308,6 +319,22 @@ class ClientRuntime:
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
+    def _optimizer(self, cfg: federation_pb2.LocalTrainingConfig) -> Optimizer:
+        """The task's optimiser over the runtime's model, in the state a freshly built one has (no momentum or
+        moment estimates; the task's lr and weight decay): PlainSgd for SGD, torch.optim.Adam for Adam."""
+        if cfg.optimizer != federation_pb2.OPTIMIZER_ADAM:
+            self.sgd.reset(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            return self.sgd
+        if not (cfg.lr >= 0 and cfg.weight_decay >= 0):  # what a new Adam would refuse (NaN too)
+            raise ValueError(f"invalid Adam settings: lr={cfg.lr}, weight_decay={cfg.weight_decay}")
+        if self.adam is None:
+            self.adam = torch.optim.Adam(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.adam.state.clear()  # exp_avg, exp_avg_sq and the step count start again, as in a new Adam
+        group = self.adam.param_groups[0]
+        group.update(self.adam.defaults)  # undo what a piece changed in the last task (a step size, say)
+        group.update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return self.adam
+
     def _mean_loss(self, c: _ClientTensors, max_batches: int, batch: int, seed: int) -> float:
         """F_i at the current parameters: mean cross-entropy over the local training set (or `max_batches`)."""
         return self._loss_and_accuracy(c, max_batches, batch, seed)[0]
@@ -320,7 +347,7 @@ class ClientRuntime:
         if max_batches > 0:
             gen = torch.Generator().manual_seed(seed + 1)
             idx = to_device(torch.randperm(len(c.y_train), generator=gen)[: max_batches * batch], self.device)
-            x, y = c.x_train[idx], c.y_train[idx]
+            x, y = _rows(c.x_train, idx), _rows(c.y_train, idx)
         else:
             x, y = c.x_train, c.y_train
         total, correct = self._sums(self.model, x, y)
@@ -417,7 +444,8 @@ def _backward(state: LocalState, hooks: _Hooks) -> torch.Tensor:
     objective = loss
     for p in hooks.objective:
         objective = p.objective(state, objective)
-    state.optimizer.zero_grad()  # to None: backward then writes the gradient instead of adding it to zeros
+    for p in state.params:  # to None: backward then writes the gradient instead of adding it to zeros
+        p.grad = None
     objective.backward()
     return loss
 
@@ -428,7 +456,111 @@ def _local_steps(cfg: federation_pb2.LocalTrainingConfig, n: int, batch: int) ->
     return cfg.local_epochs * math.ceil(n / batch)
 
 
-def _optimizer(cfg: federation_pb2.LocalTrainingConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    if cfg.optimizer == federation_pb2.OPTIMIZER_ADAM:
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+def _rows(x: torch.Tensor | DiskRows, idx: torch.Tensor) -> torch.Tensor:
+    """x[idx] for a 1-D index tensor: index_select on a tensor (the same rows, without advanced indexing's
+    overhead), a read from disk for DiskRows."""
+    return x.index_select(0, idx) if isinstance(x, torch.Tensor) else x[idx]
+
+
+class PlainSgd:
+    """torch.optim.SGD's update without its per-step machinery (profiler hooks, grouping, state dicts): the same
+    arithmetic on the same tensors in the same order, so a run trains bit for bit as with torch.optim.SGD.
+
+    The update is torch.optim.SGD's foreach one (its default on CUDA): torch._foreach_* ops, which on the CPU run
+    each tensor's own op, exactly torch.optim.SGD's per-tensor path there (its default on the CPU). Parameters
+    without a gradient are skipped, and a momentum buffer starts as a copy of the first gradient it sees, as there.
+    One instance serves every task of a runtime: `reset` puts it in a new optimiser's state, and the buffers'
+    memory is reused. The surface the loop's pieces use is torch.optim's: param_groups (one group; "lr" may be
+    changed between steps), step() and zero_grad().
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float = 0.0,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        self.params = list(params)
+        self.param_groups: list[dict[str, Any]] = [{"params": self.params}]
+        self._buffers: list[torch.Tensor | None] = [None] * len(self.params)  # memory, kept across tasks
+        self._live = [False] * len(self.params)  # whether a buffer holds this task's momentum
+        self.reset(lr, momentum, dampening, weight_decay, nesterov)
+
+    def reset(
+        self,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        """The state of a new torch.optim.SGD with these settings: no momentum yet."""
+        if not (lr >= 0 and momentum >= 0 and weight_decay >= 0):  # NaN too
+            raise ValueError(f"invalid SGD settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        group = self.param_groups[0]
+        group.update(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        self._live = [False] * len(self.params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:  # as torch.optim's zero_grad(set_to_none=False)
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+        stepped = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not stepped:
+            return loss
+        params = [self.params[i] for i in stepped]
+        grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        if weight_decay != 0:
+            grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
+        if momentum != 0:
+            grads = self._momentum(stepped, grads, momentum, group["dampening"], group["nesterov"])
+        torch._foreach_add_(params, grads, alpha=-lr)
+        return loss
+
+    def _momentum(
+        self, stepped: list[int], grads: list[torch.Tensor], momentum: float, dampening: float, nesterov: bool
+    ) -> list[torch.Tensor]:
+        """buf ← momentum·buf + (1 − dampening)·grad (a copy of grad on its first step); the step's direction."""
+        live = [self._live[i] for i in stepped]
+        if all(live):
+            bufs: list[torch.Tensor] = [self._buffers[i] for i in stepped]  # type: ignore[misc]
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads, alpha=1 - dampening)
+        else:
+            bufs = []
+            for i, grad, was_live in zip(stepped, grads, live, strict=True):
+                buf = self._buffers[i]
+                if was_live:
+                    assert buf is not None
+                    buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+                else:
+                    if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype or buf.device != grad.device:
+                        buf = self._buffers[i] = torch.empty_like(grad)
+                    buf.copy_(grad)
+                    self._live[i] = True
+                bufs.append(buf)
+        if nesterov:
+            return list(torch._foreach_add(grads, bufs, alpha=momentum))
+        return bufs

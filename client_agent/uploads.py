@@ -23,6 +23,7 @@ import grpc
 from client_agent.trainer import ClientRuntime
 from fairfl import codec, framing, telemetry
 from fairfl.framing import CHUNK_BYTES
+from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult, encode_result, encode_upload
 from fairfl.rpc import TRANSFER_DEADLINE
 from fairfl.rpc_refusals import refused_as_busy
@@ -98,6 +99,8 @@ class ResultUploader:
         # calls in order (~2 ms for the default preset's 800 KB), off the training thread.
         self._in_flight: deque[_Submission] = deque()
         self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="submit")
+        # The last runtime's layout in its wire dtype and one payload's bytes in it: the same for every result of a run.
+        self._wire: tuple[ParamLayout, str, ParamLayout, int] | None = None
 
     def send(self, task_id: str, phase: str, result: ClientResult, runtime: ClientRuntime) -> None:
         """Send the result of task `task_id`: collected for the next SubmitResults call when it has no payload, else
@@ -151,9 +154,10 @@ class ResultUploader:
         """On the submitting thread: encode the result and open its call."""
         if submission.abandoned:
             raise RuntimeError("the agent stopped before the result was sent")
-        if self._fits_upload(result, runtime):
+        call, uploaded = self._start(result, runtime)
+        if uploaded:
             submission.upload = (result, runtime)
-        return self.submit_async(result, runtime)
+        return call
 
     def _open_batch(self, submission: _Submission, batch: list[tuple[str, ClientResult, ClientRuntime]]) -> grpc.Future:
         """On the submitting thread: the results' headers (each with the sha256 of its empty payload) in one call."""
@@ -249,24 +253,34 @@ class ResultUploader:
         self.tasks_done += 1
         telemetry.AGENT_TASKS.labels(submission.phase, "submitted").inc()
 
-    def _fits_upload(self, result: ClientResult, runtime: ClientRuntime) -> bool:
-        """Whether `result` goes in one UploadResult call (its payload bytes, in the run's wire dtype, fit one)."""
-        layout = runtime.layout.with_payload_dtype(runtime.config.transport.update_dtype)
-        return self.uploading and 0 < layout.payload_nbytes * len(result.payloads) <= UPLOAD_BYTES
+    def _wire_layout(self, runtime: ClientRuntime) -> tuple[ParamLayout, int]:
+        """The run's layout with payloads in its transport.update_dtype, and one payload's bytes in that dtype."""
+        dtype = runtime.config.transport.update_dtype
+        wire = self._wire
+        if wire is None or wire[0] is not runtime.layout or wire[1] != dtype:
+            layout = runtime.layout.with_payload_dtype(dtype)
+            wire = self._wire = (runtime.layout, dtype, layout, layout.payload_nbytes)
+        return wire[2], wire[3]
+
+    def _start(self, result: ClientResult, runtime: ClientRuntime) -> tuple[grpc.Future, bool]:
+        """submit_async's call, and whether it is one UploadResult call (else a SubmitResult stream)."""
+        layout, payload_nbytes = self._wire_layout(runtime)
+        # One UploadResult call when the payload bytes, in the run's wire dtype, fit one message.
+        if self.uploading and 0 < payload_nbytes * len(result.payloads) <= UPLOAD_BYTES:
+            upload = encode_upload(result, layout, with_sha256=not self.tls)  # TLS authenticates the one message
+            telemetry.AGENT_SENT_BYTES.inc(upload.ByteSize())
+            return self._upload_result.future(upload, timeout=TRANSFER_DEADLINE), True
+        chunks = encode_result(result, layout, sha256_in_trailer=True, framed=True)
+        first = next(chunks)  # casts and checks the payloads before the call opens
+        call = self._submit_result.future(_counted(itertools.chain([first], chunks)), timeout=TRANSFER_DEADLINE)
+        return call, False
 
     def submit_async(self, result: ClientResult, runtime: ClientRuntime) -> grpc.Future:
         """Start sending one result to the aggregator, its payloads in the run's transport.update_dtype: one
         UploadResult call when they fit in one message (the sha256 in the header), else a SubmitResult stream with the
         sha256 in a trailer (hashed while it streams). The call's result() raises grpc.RpcError when it is refused.
         Raises codec.CodecError at once when a payload cannot be sent in that dtype (float16 overflow)."""
-        layout = runtime.layout.with_payload_dtype(runtime.config.transport.update_dtype)
-        if self._fits_upload(result, runtime):
-            upload = encode_upload(result, layout, with_sha256=not self.tls)  # TLS authenticates the one message
-            telemetry.AGENT_SENT_BYTES.inc(upload.ByteSize())
-            return self._upload_result.future(upload, timeout=TRANSFER_DEADLINE)
-        chunks = encode_result(result, layout, sha256_in_trailer=True, framed=True)
-        first = next(chunks)  # casts and checks the payloads before the call opens
-        return self._submit_result.future(_counted(itertools.chain([first], chunks)), timeout=TRANSFER_DEADLINE)
+        return self._start(result, runtime)[0]
 
     def submit(self, result: ClientResult, runtime: ClientRuntime) -> None:
         """submit_async, waiting for the aggregator's answer."""

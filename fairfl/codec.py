@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import sys
 import threading
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -352,7 +354,9 @@ class PayloadReceiver:
     they arrive (StreamDigest). With `sha256_in_trailer` the digest comes after the data (`set_trailer`) and `sha256`
     must be empty; with `sha256_optional` an empty `sha256` means no digest is computed or checked (a payload that
     came in one message over mutual TLS, which authenticates every byte of it). `finish` returns the payload as a uint8
-    array (tensors view it without a copy).
+    array (tensors view it without a copy). With `borrow`, a payload that arrives as one piece of an immutable `bytes`
+    object (an UploadResult's data: a view of the received message) is not copied at all: the array is a read-only
+    view of it, kept alive by what views it; for receivers whose tensors are only read (the aggregator's results).
     """
 
     def __init__(
@@ -363,6 +367,7 @@ class PayloadReceiver:
         max_chunk_bytes: int = CHUNK_BYTES,
         sha256_in_trailer: bool = False,
         sha256_optional: bool = False,
+        borrow: bool = False,
     ) -> None:
         if sha256_in_trailer:
             if sha256:
@@ -376,8 +381,8 @@ class PayloadReceiver:
         self.expected_sha256 = sha256
         self.sha256_in_trailer = sha256_in_trailer
         self.trailer_received = False
-        self.buffer = TRANSFER_BUFFERS.take(total_bytes)
-        self._view = memoryview(self.buffer)
+        self.borrow = borrow
+        self._buffer: np.ndarray | None = None  # taken at the first chunk, unless that chunk is the whole payload
         self.received = 0
         self._hashed = 0  # bytes handed to the digest
         self._digest = StreamDigest(background=total_bytes >= BACKGROUND_DIGEST_BYTES)
@@ -390,12 +395,22 @@ class PayloadReceiver:
         end = self.received + len(data)
         if end > self.total_bytes:
             raise CodecError(f"received {end} bytes but the header declared {self.total_bytes}", "size")
-        self.buffer[self.received : end] = np.frombuffer(data, dtype=np.uint8)
+        if self._buffer is None and self.borrow and end == self.total_bytes and _immutable(data):
+            self._buffer = np.frombuffer(data, dtype=np.uint8)  # the whole payload at once: a view, no copy
+        else:
+            self.buffer[self.received : end] = np.frombuffer(data, dtype=np.uint8)
         self.received = end
         # Hand over a few chunks at once: fewer GIL hand-offs.
         if self.verify and end - self._hashed >= DIGEST_STEP_BYTES:
-            self._digest.update(self._view[self._hashed : end])
+            self._digest.update(memoryview(self.buffer)[self._hashed : end])
             self._hashed = end
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The payload's bytes (those received so far): a receive buffer, or a view of a borrowed message."""
+        if self._buffer is None:
+            self._buffer = TRANSFER_BUFFERS.take(self.total_bytes)
+        return self._buffer
 
     def set_trailer(self, sha256: str) -> None:
         if not self.sha256_in_trailer:
@@ -413,13 +428,30 @@ class PayloadReceiver:
             raise CodecError("stream ended without the sha256 trailer its header announced")
         if not self.verify:
             return self.buffer
-        self._digest.update(self._view[self._hashed : self.received])
+        self._digest.update(memoryview(self.buffer)[self._hashed : self.received])
         self._hashed = self.received
         if self._digest.hexdigest() != self.expected_sha256:
             raise CodecError(
                 "payload sha256 does not match the declared one: data was corrupted or reordered", "integrity"
             )
         return self.buffer
+
+
+def _immutable(data: bytes | memoryview) -> bool:
+    """Whether `data` is (a view of) a `bytes` object, whose memory nothing can change while it is referenced."""
+    return isinstance(data.obj if isinstance(data, memoryview) else data, bytes)
+
+
+def borrowed_tensor(buffer: np.ndarray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    """torch.frombuffer of a buffer that may be read-only (PayloadReceiver's `borrow`): such a tensor must only be
+    read, which its callers guarantee (torch warns once about it, silenced for this module below)."""
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+
+
+# torch warns (once per process) that a tensor over read-only memory could be written; borrowed_tensor's are only read.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=re.escape(__name__)
+)
 
 
 def validate_specs(specs: Sequence[tensor_pb2.TensorSpec], total_bytes: int) -> None:

@@ -267,7 +267,12 @@ class RuntimeConfig:
     min_completion: float = 1.0  # fraction of selected clients whose results a round needs to be aggregated
     register_timeout_s: float = 120.0
     device: str = "auto"
-    threads_per_agent: int = 1
+    threads_per_agent: int = 1  # torch threads per agent process (in-process: per worker)
+    # `--transport inprocess`: how many clients of a round train at once, each on a worker thread with its own model
+    # (the run's data is loaded once and shared). auto: the usable cores divided by threads_per_agent, at most the
+    # number of clients; on a GPU always 1. Results are bit-identical for any count, as long as client code draws
+    # randomness only from the task's seed (a user model or procedure using torch's global RNG needs 1).
+    inprocess_workers: int | Literal["auto"] = "auto"
     # Per-client Prometheus series (accuracy, loss) only for client ids below this, so label cardinality stays bounded.
     metrics_client_limit: int = 100
     # Dropouts (docs/reliability.md): select ceil(k * (1 + over_selection)) clients and aggregate the first k results.
@@ -298,6 +303,8 @@ class RuntimeConfig:
             raise ConfigError(f"{path}.min_completion: must be in (0, 1], got {self.min_completion}")
         _positive(self.register_timeout_s, f"{path}.register_timeout_s")
         _at_least(self.threads_per_agent, 1, f"{path}.threads_per_agent")
+        if self.inprocess_workers != "auto":
+            _at_least(self.inprocess_workers, 1, f"{path}.inprocess_workers")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"{path}.device: expected 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

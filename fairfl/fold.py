@@ -22,7 +22,8 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -88,23 +89,80 @@ class Weight:
         return math.ldexp(self.mantissa, self.exponent - reference)
 
 
+class _Buffers:
+    """An ExactSum's float64 memory: `hi` in blocks of `size` coordinates (the last one padded), `lo` flat, and per
+    part of the work (see _split) a spare block and two scratch blocks. `hi` is in blocks so that a fold can swap a
+    freshly computed block in instead of copying it (one pass less per update)."""
+
+    __slots__ = ("hi", "lo", "scratch", "size", "spare")
+
+    def __init__(self, numel: int, parts: int) -> None:
+        self.size = max(1, min(BLOCK, numel))
+        self.hi = [torch.zeros(self.size, dtype=torch.float64) for _ in range(-(-numel // BLOCK) or 1)]
+        self.lo = torch.zeros(numel, dtype=torch.float64)
+        self.spare = [torch.empty(self.size, dtype=torch.float64) for _ in range(parts)]
+        self.scratch = [
+            (torch.empty(self.size, dtype=torch.float64), torch.empty_like(self.spare[0])) for _ in range(parts)
+        ]
+
+    def nbytes(self) -> int:
+        return 8 * self.size * (len(self.hi) + 3 * len(self.spare)) + 8 * self.lo.numel()
+
+    def zero(self) -> None:
+        for block in self.hi:
+            block.zero_()
+        self.lo.zero_()
+
+
+class _BufferPool:
+    """ExactSum buffers handed out again once their sum is gone: every round folds into sums of the same sizes, and
+    fresh memory costs more to touch (page faults) than zeroing reused memory. At most `max_idle_bytes` are kept."""
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: dict[tuple[int, int], list[_Buffers]] = {}
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, parts: int) -> _Buffers:
+        with self._lock:
+            idle = self._idle.get((numel, parts))
+            if idle:
+                buffers = idle.pop()
+                self._idle_bytes -= buffers.nbytes()
+                buffers.zero()
+                return buffers
+        return _Buffers(numel, parts)
+
+    def give(self, numel: int, parts: int, buffers: _Buffers) -> None:
+        with self._lock:
+            if self._idle_bytes + buffers.nbytes() <= self.max_idle_bytes:
+                self._idle.setdefault((numel, parts), []).append(buffers)
+                self._idle_bytes += buffers.nbytes()
+
+
+_BUFFERS = _BufferPool(max_idle_bytes=1 << 30)
+
+
 class ExactSum:
     """Σ_i w_i·v_i over flat float32 vectors of one size, independent of the order of the terms; thread-safe."""
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
-        self.hi = torch.zeros(numel, dtype=torch.float64)
-        self.lo = torch.zeros(numel, dtype=torch.float64)
         self.reference: int | None = None  # hi + lo hold the sum divided by 2**reference (the largest exponent)
         self.weights: list[Weight] = []
         self.keys: list[int] = []  # who each weight belongs to (client ids), in arrival order
         self._lock = threading.Lock()
         # Big vectors are folded by FOLD_THREADS workers on disjoint ranges (torch kernels release the GIL).
         self._ranges = _split(numel, FOLD_THREADS if numel >= 4 * BLOCK else 1)
-        self._scratch = [
-            [torch.empty(min(BLOCK, max(end - start, 1)), dtype=torch.float64) for _ in range(3)]
-            for start, end in self._ranges
-        ]
+        self._buffers = _BUFFERS.take(numel, len(self._ranges))
+        # Back to the pool when this sum is gone; nothing outside it holds its buffers (scaled_sum returns a copy).
+        weakref.finalize(self, _BUFFERS.give, numel, len(self._ranges), self._buffers).atexit = False
+
+    def _blocks(self, first: int, last: int) -> Iterator[tuple[int, int, int]]:
+        """(block index, start, end) of the blocks of [first, last) (cut at BLOCK boundaries)."""
+        for start in range(first, last, BLOCK):
+            yield start // BLOCK, start, min(start + BLOCK, last)
 
     def add(self, vector: torch.Tensor, weight: Weight, key: int = -1) -> None:
         if vector.dtype != torch.float32 or vector.dim() != 1 or vector.numel() != self.numel:
@@ -120,8 +178,9 @@ class ExactSum:
                 self.reference = weight.exponent
             elif weight.exponent > self.reference:  # running log-sum-exp: rescale by a power of two (exact)
                 shrink = math.ldexp(1.0, self.reference - weight.exponent)
-                self.hi.mul_(shrink)
-                self.lo.mul_(shrink)
+                for index, start, end in self._blocks(0, self.numel):
+                    self._buffers.hi[index][: end - start].mul_(shrink)
+                self._buffers.lo.mul_(shrink)
                 self.reference = weight.exponent
             factor = weight.scaled(self.reference)
             if len(self._ranges) == 1:
@@ -130,22 +189,22 @@ class ExactSum:
                 list(_pool().map(lambda i: self._fold(vector, factor, i), range(len(self._ranges))))
 
     def _fold(self, vector: torch.Tensor, factor: float, part: int) -> None:
-        product, total, carry = self._scratch[part]
-        first, last = self._ranges[part]
-        for start in range(first, last, BLOCK):
-            end = min(start + BLOCK, last)
+        buffers = self._buffers
+        product, carry = buffers.scratch[part]
+        for index, start, end in self._blocks(*self._ranges[part]):
             n = end - start
-            hi, lo = self.hi[start:end], self.lo[start:end]
-            p, s, z = product[:n], total[:n], carry[:n]
+            block, spare = buffers.hi[index], buffers.spare[part]
+            hi, lo = block[:n], buffers.lo[start:end]
+            p, s, z = product[:n], spare[:n], carry[:n]
             p.copy_(vector[start:end])  # to float64 first: the product must not round in float32
             p.mul_(factor)  # exact: 24-bit mantissa × 24-bit coordinate
             torch.add(hi, p, out=s)  # TwoSum(hi, p): s + error == hi + p exactly
             torch.sub(s, hi, out=z)
             p.sub_(z)  # p − (s − hi)
             torch.sub(s, z, out=z)
-            hi.sub_(z)  # hi − (s − (s − hi))
-            lo.add_(hi).add_(p)  # the rounding error of s joins the low word
-            hi.copy_(s)
+            torch.sub(hi, z, out=z)  # hi − (s − (s − hi))
+            lo.add_(z).add_(p)  # the rounding error of s joins the low word
+            buffers.hi[index], buffers.spare[part] = spare, block  # s is the new hi: swapped in, not copied
 
     def total_weight(self) -> float:
         """Σ w_i / 2**reference, correctly rounded (math.fsum), so also order-independent."""
@@ -157,12 +216,11 @@ class ExactSum:
         """float32(Σ w_i v_i / 2**reference · scale), formed block by block (no float64 temporaries of full size)."""
         out = torch.empty(self.numel, dtype=torch.float32)
         with self._lock:
-            block = self._scratch[0][0]
-            for start in range(0, self.numel, len(block)):
-                end = min(start + len(block), self.numel)
-                part = block[: end - start]
-                torch.add(self.hi[start:end], self.lo[start:end], out=part)
-                out[start:end].copy_(part.mul_(scale))
+            part = self._buffers.scratch[0][0]
+            for index, start, end in self._blocks(0, self.numel):
+                block = part[: end - start]
+                torch.add(self._buffers.hi[index][: end - start], self._buffers.lo[start:end], out=block)
+                out[start:end].copy_(block.mul_(scale))
         return out
 
     def weighted_mean(self, scale: float = 1.0) -> torch.Tensor:

@@ -123,13 +123,21 @@ def data_view(raw: bytes) -> memoryview | None:
     return memoryview(raw)[size[1] :] if size is not None and size[1] + size[0] == len(raw) else None
 
 
+def header_data_parts(header: bytes, views: Sequence[memoryview | bytes]) -> list[memoryview | bytes]:
+    """The serialised message {1: header (a serialised message), 2: the views' concatenation}, as pieces to join."""
+    size = sum(len(v) for v in views)
+    return [bytes((_HEADER_TAG,)), _varint(len(header)), header, bytes((_DATA_TAG,)), _varint(size), *views]
+
+
+def length_delimited_parts(field: int, parts: Sequence[memoryview | bytes]) -> list[memoryview | bytes]:
+    """Field `field` (wire type 2) holding the pieces' concatenation, as pieces to join: its key, length, the pieces."""
+    return [_varint(field << 3 | 2), _varint(sum(len(p) for p in parts)), *parts]
+
+
 def framed_header_data(header: bytes, views: Sequence[memoryview | bytes]) -> Framed:
     """The serialised message {1: header (a serialised message), 2: the views' concatenation} (ResultUpload), built
     with one copy of the views."""
-    size = sum(len(v) for v in views)
-    return Framed(
-        b"".join([bytes((_HEADER_TAG,)), _varint(len(header)), header, bytes((_DATA_TAG,)), _varint(size), *views])
-    )
+    return Framed(b"".join(header_data_parts(header, views)))
 
 
 def split_header_data(raw: bytes) -> tuple[memoryview, memoryview] | None:

@@ -7,6 +7,7 @@ vector's bytes split by tensor, so decoding a received model or update is a zero
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,17 +98,21 @@ def flatten_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float32).cpu()
 
 
-def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat vector into the model's parameters (a copy: the source, often a shared blob, stays untouched)."""
-    expected = sum(p.numel() for p in model.parameters())
-    if flat.dim() != 1 or flat.numel() != expected:
-        raise ValueError(f"flat vector has shape {list(flat.shape)}, the model needs {expected} values")
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p), non_blocking=True)
-            offset += n
+def _parameters(model: nn.Module | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A model's parameters in order; a list of them as it is (a caller that keeps one skips the module walk)."""
+    return list(model.parameters()) if isinstance(model, nn.Module) else list(model)
+
+
+def load_flat(model: nn.Module | Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a flat vector into the model's parameters (a copy: the source, often a shared blob, stays untouched);
+    `model` may be its parameter list."""
+    params = _parameters(model)
+    sizes = [p.numel() for p in params]
+    if flat.dim() != 1 or flat.numel() != sum(sizes):
+        raise ValueError(f"flat vector has shape {list(flat.shape)}, the model needs {sum(sizes)} values")
+    with torch.no_grad():  # one call for every parameter, each copying its own slice of `flat`
+        parts = [part.view_as(p) for part, p in zip(flat.split(sizes), params, strict=True)]
+        torch._foreach_copy_(params, parts, non_blocking=True)
 
 
 # -- device placement (client agents) ----------------------------------------------------------------------------------
@@ -147,9 +152,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def flatten_on_device(model: nn.Module) -> torch.Tensor:
-    """flatten_parameters without the copy to the host: one float32 vector on the parameters' device."""
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float32)
+def flatten_on_device(model: nn.Module | Sequence[torch.Tensor]) -> torch.Tensor:
+    """flatten_parameters without the copy to the host: one new float32 vector on the parameters' device; `model`
+    may be its parameter list."""
+    return torch.cat([p.detach().reshape(-1) for p in _parameters(model)]).to(torch.float32)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -58,10 +58,23 @@ __all__ = [
     "LocalProcedure",
     "LocalState",
     "NoParams",
+    "Optimizer",
     "attach_procedure",
     "register_procedure",
     "resolve_procedures",
 ]
+
+
+class Optimizer(Protocol):
+    """The optimiser a procedure sees (`LocalState.optimizer`): torch.optim's surface. A torch.optim.Optimizer (an
+    Adam task's) or the loop's own SGD (client_agent.trainer.PlainSgd, torch.optim.SGD's update bit for bit). A
+    procedure may set `group["lr"]` in param_groups between steps (step_lr is the usual way)."""
+
+    param_groups: list[dict[str, Any]]
+
+    def step(self) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 @dataclass
@@ -72,7 +85,7 @@ class LocalState:
     config: federation_pb2.LocalTrainingConfig
     model: nn.Module
     params: list[torch.Tensor]  # model.parameters(), in layout order
-    optimizer: torch.optim.Optimizer
+    optimizer: Optimizer  # torch.optim's surface: param_groups, step(), zero_grad()
     x0: torch.Tensor  # the global model x_t, flat, on the device
     # The client's local training data, on the device. For a site's on-disk data (large .npy features, see
     # fairfl.data.lazy) this is a row reader: `x_train[idx]` reads those rows onto the device, and whole-tensor

@@ -233,6 +233,7 @@ class ResultAssembler:
             max_bytes=expected,
             sha256_in_trailer=header.sha256_in_trailer,
             sha256_optional=sha256_optional,
+            borrow=True,  # an UploadResult's payload is read where it arrived: payload tensors are only ever read
         )
 
     def add(self, part: ResultPart) -> None:
@@ -249,7 +250,7 @@ class ResultAssembler:
         payloads: dict[int, torch.Tensor] = {}
         for i, payload in enumerate(h.payloads):
             start = i * self.layout.payload_nbytes
-            wire = torch.frombuffer(buffer, dtype=dtype, count=self.layout.numel, offset=start)  # no copy
+            wire = codec.borrowed_tensor(buffer, dtype, self.layout.numel, start)  # no copy
             if not codec.all_finite(wire):
                 raise codec.CodecError(
                     f"{federation_pb2.PayloadKind.Name(payload.kind)} contains NaN or infinite values", "non_finite"

@@ -25,7 +25,8 @@ Runs of the same experiment, one after another:
 - gRPC with one agent process and one thread, when the experiment has more: one training thread, so the ratio
   shows the platform's own cost rather than what a second agent on a second core buys (reported; the acceptance
   figure is the preset as it is).
-- in-process: `fairfl run --transport inprocess` (the same engine and client code in one process).
+- in-process: `fairfl run --transport inprocess` (the same engine and client code in one process, the round's clients
+  trained by runtime.inprocess_workers worker threads of one torch thread each: auto, one per usable core).
 - plain loop: the physical floor, written here with plain torch in one process, run with one torch thread and with
   one per core (the faster one counts): the same model, the same data partition (fairfl.data), the same clients each
   round (those the gRPC run selected), the same local steps, batch size, lr and batch order (the trainer's task
@@ -617,13 +618,19 @@ def bench_preset(
         else "in the last round only"
     )
     selected = config.selection.clients_per_round
+    from fairfl.compose.inprocess import worker_count
+
+    inprocess_workers = worker_count(
+        config.runtime.inprocess_workers, config.runtime.threads_per_agent, config.data.num_clients, torch.device("cpu")
+    )
     shown = preset.config.relative_to(benchlib.REPO) if preset.config.is_relative_to(benchlib.REPO) else preset.config
     notes = [
         f"{label} ({shown}): "
         f"{config.data.num_clients} clients, {selected} per round, {config.training.local_steps} local steps of "
         f"batch {config.training.batch_size}; gRPC: {setup} ({agents * threads} threads training in parallel on "
         f"{cores} cores), mutual TLS, a checkpoint every round, /metrics on every process; in-process: one process, "
-        f"one torch thread; plain loop: the faster of {' and '.join(str(t) for t in sorted(middle.loops))} torch "
+        f"{inprocess_workers} worker thread(s) x 1 torch thread; plain loop: the faster of "
+        f"{' and '.join(str(t) for t in sorted(middle.loops))} torch "
         f"threads ({floor_setup} in the median pair).",
         f"{label}: the ideal parallel floor is the one-thread plain loop's per-client work, summed over each round's "
         f"clients, divided over the {cores} usable cores (os.sched_getaffinity), plus the evaluation's share alike: "

@@ -27,9 +27,10 @@ class _Registration:
 
 def add_federation_servicer(servicer: FederationServicer, server: grpc.Server) -> None:
     """Register the Federation service as federation_pb2_grpc.add_FederationServicer_to_server does, except that the
-    bulk methods handle data chunks as raw bytes: FetchBlob serialises each straight from the blob's memory and
-    SubmitResult and UploadResult read them as views of the received message (framing.Framed, framing.chunk_parser,
-    protocol.parse_result_upload). The wire format is the same protobuf."""
+    bulk methods handle data chunks as raw bytes: FetchBlob serialises each straight from the blob's memory, PollTasks
+    the models it inlines (servicer.framed_poll_reply), and SubmitResult and UploadResult read them as views of the
+    received message (framing.Framed, framing.chunk_parser, protocol.parse_result_upload). The wire format is the
+    same protobuf."""
     generated = _Registration()
     federation_pb2_grpc.add_FederationServicer_to_server(servicer, generated)
     handlers = dict(generated.handlers)
@@ -37,6 +38,11 @@ def add_federation_servicer(servicer: FederationServicer, server: grpc.Server) -
     handlers["FetchBlob"] = grpc.unary_stream_rpc_method_handler(
         servicer.FetchBlob,
         request_deserializer=tensor_pb2.BlobRef.FromString,
+        response_serializer=framing.serialize,
+    )
+    handlers["PollTasks"] = grpc.unary_unary_rpc_method_handler(
+        servicer.PollTasks,
+        request_deserializer=federation_pb2.PollRequest.FromString,
         response_serializer=framing.serialize,
     )
     handlers["SubmitResult"] = grpc.stream_unary_rpc_method_handler(

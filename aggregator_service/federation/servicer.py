@@ -15,7 +15,7 @@ import grpc
 from aggregator_service.federation.admission import Rejected
 from aggregator_service.federation.site_check import SiteRefused, SiteReport, site_label
 from aggregator_service.federation.state import MAX_POLL_WAIT_S, FederationState, RegistrationRefused
-from fairfl import codec, rpc_security, telemetry, tls
+from fairfl import codec, framing, rpc_security, telemetry, tls
 from fairfl.framing import CHUNK_BYTES
 from fairfl.protocol import ReceivedUpload, ResultPart
 from fairfl.rpc import INLINE_BLOB_BYTES
@@ -30,6 +30,24 @@ MAX_CLIENTS_PER_AGENT = 1_000_000
 MAX_NAME_CHARS = 256
 MAX_CACHED_LISTED = 64  # digests of a PollRequest.cached_sha256 read (an agent caches a few models)
 MAX_BATCH_RESULTS = 1024  # results in one SubmitResults call (the 4 MiB message limit bounds their size)
+
+
+def _inline_blob(bundle: codec.EncodedBundle) -> federation_pb2.InlineBlob:
+    return federation_pb2.InlineBlob(header=bundle.header, data=b"".join(bundle.buffers))
+
+
+def framed_poll_reply(tasks: list[federation_pb2.Task], bundles: list[codec.EncodedBundle]) -> framing.Framed:
+    """The serialised PollReply{tasks, blobs: InlineBlob{header, data} per bundle}, as protobuf writes it, with each
+    model's bytes copied once from its blob (a message built with protobuf copies them four times: joined, into the
+    InlineBlob, into the reply, serialised)."""
+    parts = [federation_pb2.PollReply(tasks=tasks).SerializeToString()]
+    for bundle in bundles:
+        inline = framing.header_data_parts(bundle.header.SerializeToString(), bundle.buffers)  # an InlineBlob
+        parts += framing.length_delimited_parts(_POLL_REPLY_BLOBS_FIELD, inline)
+    return framing.Framed(b"".join(parts))
+
+
+_POLL_REPLY_BLOBS_FIELD = federation_pb2.PollReply.DESCRIPTOR.fields_by_name["blobs"].number
 
 
 class FederationServicer(federation_pb2_grpc.FederationServicer):
@@ -146,23 +164,31 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         if remaining is not None:
             wait = min(wait, max(remaining - 1.0, 0.0))
         tasks = self.state.poll(request.agent_id, request.max_tasks, wait)
-        return federation_pb2.PollReply(tasks=tasks, blobs=self._inline_blobs(request, tasks))
+        bundles = self._inline_bundles(request, tasks)
+        if self.framed:  # serialised by hand: the models' bytes copied once, straight from the blobs' memory
+            return framed_poll_reply(tasks, bundles)
+        return federation_pb2.PollReply(tasks=tasks, blobs=[_inline_blob(b) for b in bundles])
 
-    def _inline_blobs(
+    def _inline_bundles(
         self, request: federation_pb2.PollRequest, tasks: list[federation_pb2.Task]
-    ) -> list[federation_pb2.InlineBlob]:
+    ) -> list[codec.EncodedBundle]:
         """The models of `tasks` the agent does not hold, while they fit in INLINE_BLOB_BYTES (fairfl.rpc)."""
         limit = min(request.inline_blob_bytes, INLINE_BLOB_BYTES)
         held = set(request.cached_sha256[:MAX_CACHED_LISTED])
-        blobs: list[federation_pb2.InlineBlob] = []
+        bundles: list[codec.EncodedBundle] = []
         for sha256 in dict.fromkeys(t.model.sha256 for t in tasks if t.HasField("model")):
             entry = None if sha256 in held else self.state.blobs.get(sha256)
             if entry is None or entry[0].total_bytes > limit:
                 continue
-            bundle = entry[0]
-            limit -= bundle.total_bytes
-            blobs.append(federation_pb2.InlineBlob(header=bundle.header, data=b"".join(bundle.buffers)))
-        return blobs
+            limit -= entry[0].total_bytes
+            bundles.append(entry[0])
+        return bundles
+
+    def _inline_blobs(
+        self, request: federation_pb2.PollRequest, tasks: list[federation_pb2.Task]
+    ) -> list[federation_pb2.InlineBlob]:
+        """The InlineBlob messages of _inline_bundles."""
+        return [_inline_blob(b) for b in self._inline_bundles(request, tasks)]
 
     def GetRunSpec(self, request: federation_pb2.RunSpecRequest, context: grpc.ServicerContext):
         text = self.state.run_yaml.get(request.run_id)

@@ -1,14 +1,31 @@
-"""In-process transport: the same engine, strategies and client code without a network (oracle and fast path)."""
+"""In-process transport: the same engine, strategies and client code without a network (oracle and fast path).
+
+A round's clients train on a pool of worker threads (runtime.inprocess_workers), each with its own ClientRuntime:
+its own model, optimiser state and device cache, over one copy of the run's data that every worker shares. torch
+releases the GIL inside its kernels, so two workers with one torch thread each keep two cores busy. A phase without a
+quorum runs free, as over gRPC: every task is queued at once and each worker passes its accepted result to
+`on_result` (the engine's streaming fold, order-independent and thread-safe) as soon as it is done, so no worker
+waits for a slower one and no third thread folds; the phase's results are listed in client-id order, and a task's
+exception is raised once the phase's tasks have ended (the lowest failing client id's). With a quorum, results are
+handled in client-id order on the calling thread, so the quorum counts the lowest client ids' results, as the
+serial loop does. A stop ends the phase: no task starts after it. Each task reads only its own seeded generators,
+so the final model is bit-identical for any worker count (and to the gRPC path).
+"""
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
+from collections import deque
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Literal
 
 import torch
 
 from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
-from client_agent.trainer import ClientRuntime, resolve_device
+from client_agent.trainer import ClientRuntime, LocalData, resolve_device
 from fairfl.codec import CodecError
 from fairfl.config import ExperimentConfig
 from fairfl.data import load_run_data
@@ -16,29 +33,70 @@ from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult, as_received, check_against_task, check_result
 from fairfl.v1 import federation_pb2, tensor_pb2
 
+Workers = int | Literal["auto"]
+
+# A task's outcome as a worker hands it back: the result, and whether the wire checks accepted it.
+_Done = tuple[ClientResult, bool]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS reports one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity API
+        return os.cpu_count() or 1
+
+
+def worker_count(requested: Workers, threads: int, num_clients: int, device: torch.device) -> int:
+    """The pool size: `requested`, or for "auto" the usable cores over `threads` torch threads per worker; never more
+    than the clients (a worker would idle) and one on an accelerator (one device, one stream of work)."""
+    if device.type != "cpu":
+        return 1
+    wanted = max(1, usable_cores() // threads) if requested == "auto" else requested
+    return max(1, min(wanted, num_clients))
+
 
 class InProcessTransport(ClientTransport):
-    def __init__(self, device: str = "cpu", threads: int = 1) -> None:
+    def __init__(self, device: str = "cpu", threads: int = 1, workers: Workers | None = None) -> None:
+        """`workers`: the pool size (see worker_count); None: the run config's runtime.inprocess_workers."""
         # Small models train fastest on one thread; several threads per process oversubscribe a few cores.
+        # Process-wide: every worker's kernels use `threads` torch threads.
         torch.set_num_threads(threads)
         self.device = device
+        self.threads = threads
+        self.workers = workers
         self.blobs = BlobStore()
-        self.runtime: ClientRuntime | None = None
+        self.runtimes: list[ClientRuntime] = []  # one per worker; runtimes[0] also answers clients and layout
+        self._idle: queue.SimpleQueue[ClientRuntime] = queue.SimpleQueue()  # runtimes no task is using
+        self._pool: ThreadPoolExecutor | None = None  # None: one worker, tasks run on the calling thread
         self.layout: ParamLayout | None = None
         self.stop = threading.Event()  # the run's stop event (from wait_for_clients): a phase ends at the next client
 
+    @property
+    def runtime(self) -> ClientRuntime | None:
+        return self.runtimes[0] if self.runtimes else None
+
     def start_run(self, run_id: str, config: ExperimentConfig, layout: ParamLayout) -> None:
-        data = load_run_data(config)
+        self._shutdown()  # a transport reused for another run starts from a fresh pool
+        federated = load_run_data(config)
+        device = resolve_device(self.device)
         self.layout = layout
         self.payload_dtype = layout.with_payload_dtype(config.transport.update_dtype).payload_dtype
-        self.runtime = ClientRuntime(
-            config, data, list(range(data.num_clients)), resolve_device(self.device), self._resolve
-        )
-        if self.runtime.layout != layout:
+        clients = list(range(federated.num_clients))
+        requested = config.runtime.inprocess_workers if self.workers is None else self.workers
+        count = worker_count(requested, self.threads, len(clients), device)
+        # Built once and shared: on the CPU every runtime's tensors are views of these arrays (no copy per worker).
+        data = LocalData.of_simulation(federated, clients)
+        self.runtimes = [ClientRuntime(config, data, clients, device, self._resolve) for _ in range(count)]
+        if self.runtimes[0].layout != layout:
             raise RuntimeError("client model layout differs from the server's")
+        for runtime in self.runtimes:
+            self._idle.put(runtime)
+        if count > 1:
+            self._pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"inprocess-{run_id}")
 
     def _resolve(self, ref: tensor_pb2.BlobRef) -> torch.Tensor:
-        entry = self.blobs.get(ref.sha256)
+        entry = self.blobs.get(ref.sha256)  # BlobStore is locked: workers resolve concurrently
         if entry is None:
             raise KeyError(f"blob {ref.sha256} not found")
         return entry[1]
@@ -56,6 +114,31 @@ class InProcessTransport(ClientTransport):
         assert self.layout is not None
         return self.blobs.put(self.layout, flat)
 
+    def _run(self, task: federation_pb2.Task) -> _Done:
+        """One task on an idle runtime (there is one per worker, so one is always free), with the wire's checks."""
+        runtime = self._idle.get()
+        try:
+            result = runtime.run(task)
+        finally:
+            self._idle.put(runtime)
+        try:
+            as_received(result, self.payload_dtype)  # transport.update_dtype: what the wire would deliver
+            check_result(result)
+            check_against_task(result, task)
+        except CodecError:
+            return result, False
+        return result, True
+
+    def _submit(self, task: federation_pb2.Task) -> Future[_Done]:
+        if self._pool is not None:
+            return self._pool.submit(self._run, task)
+        done: Future[_Done] = Future()  # one worker: run it here, now (the serial path, on the calling thread)
+        try:
+            done.set_result(self._run(task))
+        except Exception as err:
+            done.set_exception(err)
+        return done
+
     def execute(
         self,
         tasks: list[federation_pb2.Task],
@@ -64,26 +147,81 @@ class InProcessTransport(ClientTransport):
         on_result: ResultSink | None = None,
     ) -> PhaseOutcome:
         assert self.runtime is not None
+        if self._pool is not None and quorum is None:
+            return self._execute_free(tasks, on_result)
+        return self._execute_in_order(tasks, quorum, on_result)
+
+    def _execute_free(self, tasks: list[federation_pb2.Task], on_result: ResultSink | None) -> PhaseOutcome:
+        """Every task queued at once; each worker hands its accepted result to `on_result` itself."""
+
+        def run(task: federation_pb2.Task) -> _Done | None:
+            if self.stop.is_set():  # the engine abandons the phase (RunStopped) once it returns
+                return None
+            result, accepted = self._run(task)
+            if accepted and on_result is not None:
+                on_result(result)
+            return result, accepted
+
+        assert self._pool is not None
+        started = [self._pool.submit(run, task) for task in sorted(tasks, key=lambda t: t.client_id)]
+        wait(started, return_when=FIRST_EXCEPTION)
+        _abandon(started)  # after a failure: the queued tasks are cancelled, the running ones end
+        done = [future.result() for future in started if not future.cancelled()]  # raises the lowest id's exception
+        results = [result for result, accepted in filter(None, done) if accepted]
+        rejected = sum(not accepted for _, accepted in filter(None, done))
+        answered = {r.client_id for r in results}
+        return PhaseOutcome(results, [t.client_id for t in tasks if t.client_id not in answered], rejected=rejected)
+
+    def _execute_in_order(
+        self, tasks: list[federation_pb2.Task], quorum: int | None, on_result: ResultSink | None
+    ) -> PhaseOutcome:
+        """Results handled in client-id order on this thread: the serial loop, and any phase with a quorum."""
+        pending = deque(sorted(tasks, key=lambda t: t.client_id))
+        # Started tasks in client-id order. Up to two per worker: a worker never idles while the lowest one (whose
+        # result must be handled first) is still running, and at most that many finished results wait for it. One
+        # worker: one at a time, each handled before the next starts (exactly the serial loop).
+        started: deque[Future[_Done]] = deque()
+        window = 1 if self._pool is None else 2 * len(self.runtimes)
         results: list[ClientResult] = []
         rejected = 0
-        for task in sorted(tasks, key=lambda t: t.client_id):
-            if quorum is not None and len(results) >= quorum:  # in-process, "first k" are the lowest client ids
-                break
-            if self.stop.is_set():  # the engine abandons the phase (RunStopped) as soon as it returns
-                break
-            result = self.runtime.run(task)
-            try:
-                as_received(result, self.payload_dtype)  # transport.update_dtype: what the wire would deliver
-                check_result(result)
-                check_against_task(result, task)
-            except CodecError:
-                rejected += 1
-                continue
-            if on_result is not None:
-                on_result(result)
-            results.append(result)
+        try:
+            while True:
+                # Start no more than could still count: with a quorum, only the lowest client ids' accepted results do
+                # (in-process, "first k" are the lowest client ids), so never more than the quorum still open.
+                room = window if quorum is None else min(window, quorum - len(results))
+                while pending and len(started) < room and not self.stop.is_set():
+                    started.append(self._submit(pending.popleft()))
+                if not started or self.stop.is_set():  # the engine abandons the phase (RunStopped) once it returns
+                    break
+                result, accepted = started[0].result()  # a task's exception is raised here, in order
+                started.popleft()
+                if not accepted:
+                    rejected += 1
+                    continue
+                if on_result is not None:
+                    on_result(result)
+                results.append(result)
+        finally:
+            _abandon(started)
         done = {r.client_id for r in results}
         return PhaseOutcome(results, [t.client_id for t in tasks if t.client_id not in done], rejected=rejected)
 
     def end_run(self, run_id: str) -> None:
+        self._shutdown()
         self.blobs.clear()
+
+    def _shutdown(self) -> None:
+        """Stop the pool (its threads end once their task does) and drop the workers' runtimes and models."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self.runtimes = []
+        self._idle = queue.SimpleQueue()
+
+
+def _abandon(started: deque[Future[_Done]]) -> None:
+    """Tasks of a phase that ended early (stop, an exception): cancel those not yet running and wait for the rest,
+    so no task of this phase runs once `execute` returns or raises; their results (and exceptions) are dropped."""
+    for future in started:
+        future.cancel()
+    wait(started)

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from aggregator_service.federation.servicer import FederationServicer
+from aggregator_service.federation.servicer import FederationServicer, framed_poll_reply
 from aggregator_service.federation.state import FederationState
 from client_agent.agent import Agent
 from client_agent.trainer import ClientRuntime
@@ -95,3 +95,23 @@ def test_over_mutual_tls_an_inline_model_is_checked_for_size_and_layout_without_
         assert blob.data == x0.numpy().tobytes()
     finally:
         agent.channel.close()
+
+
+@pytest.mark.parametrize("models", [0, 1, 2])
+@pytest.mark.parametrize("with_tasks", [False, True])
+def test_the_hand_framed_poll_reply_is_protobufs_encoding(models: int, with_tasks: bool) -> None:
+    """PollTasks serialises its reply by hand (one copy of each inlined model); protobuf must read it as the message
+    it would have built, byte for byte."""
+    runtime = synthetic_runtime()
+    state = FederationState()
+    x0 = flatten_parameters(runtime.model)
+    refs = [state.blobs.put(runtime.layout, x0 + i) for i in range(models)]
+    tasks = [_task(ref, i) for i, ref in enumerate(refs)] if with_tasks else []
+    bundles = [state.blobs.get(ref.sha256)[0] for ref in refs]
+    framed = framed_poll_reply(tasks, bundles)
+    expected = federation_pb2.PollReply(
+        tasks=tasks,
+        blobs=[federation_pb2.InlineBlob(header=b.header, data=b"".join(b.buffers)) for b in bundles],
+    )
+    assert framed.SerializeToString() == expected.SerializeToString()
+    assert federation_pb2.PollReply.FromString(framed.SerializeToString()) == expected

@@ -94,6 +94,14 @@ class RunningChildren:
         return f"killed {killed} fairfl run processes" if killed else None
 
 
+def _usable_cores() -> int:
+    """As fairfl.compose.inprocess.usable_cores (not imported: it would load torch into the comparison process)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
     return output_dir / run.slug / f"seed{seed}"
 
@@ -122,9 +130,10 @@ def _run_one(
     output_dir: Path,
     transport: str,
     children: RunningChildren | None = None,
+    jobs: int = 1,
 ) -> SeedSummary | RunFailure | None:
-    """One experiment in its own `fairfl run` subprocess; its output goes to <run dir>/run.log. None: cancelled
-    before it started."""
+    """One experiment in its own `fairfl run` subprocess, one of `jobs` at a time; its output goes to
+    <run dir>/run.log. None: cancelled before it started."""
     children = children or RunningChildren()
     if children.cancel.is_set():
         return None
@@ -132,12 +141,16 @@ def _run_one(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "results.json").unlink(missing_ok=True)  # never read a previous invocation's results
     experiment = run_dir / "experiment.yaml"
-    experiment.write_text(spec.experiment(run, seed).to_yaml())
+    config = spec.experiment(run, seed)
+    experiment.write_text(config.to_yaml())
     log_path = run_dir / "run.log"
     repo_root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "fairfl.compose", "run", str(experiment), "--transport", transport]
     cmd += ["--output", str(run_dir)]
+    if transport == "inprocess" and jobs > 1 and config.runtime.inprocess_workers == "auto":
+        # Each run's "auto" would take every core: `jobs` runs side by side share them instead (same results).
+        cmd += ["--set", f"runtime.inprocess_workers={max(1, _usable_cores() // jobs)}"]
     with log_path.open("w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
@@ -190,7 +203,7 @@ def run_comparison(
         nonlocal done
         run, seed = item
         t = time.monotonic()
-        outcome = _run_one(spec, run, seed, output_dir, transport, children)
+        outcome = _run_one(spec, run, seed, output_dir, transport, children, jobs)
         if outcome is None:
             return None
         with lock:
