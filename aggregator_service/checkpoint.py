@@ -225,6 +225,13 @@ def encode_state(tree: Any) -> tuple[str, list[checkpoint_pb2.StateTensor]]:
     return json.dumps(walk(tree), allow_nan=True), tensors
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written (a short write would leave a torn record before the next ones)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def snapshot_state(tree: Any) -> Any:
     """A copy of a state tree that the run can no longer change (a strategy's velocity is updated in place next
     round): containers copied, tensors cloned. What encode_state accepts, refused here with the same message."""
@@ -234,8 +241,8 @@ def snapshot_state(tree: Any) -> Any:
         return tree.copy()
     if isinstance(tree, dict):
         return {k: snapshot_state(v) for k, v in tree.items()}  # keys are immutable (str, int, tuples of them)
-    if isinstance(tree, list | tuple):
-        return type(tree)(snapshot_state(v) for v in tree)
+    if isinstance(tree, list | tuple):  # a list either way: encode_state writes both as JSON arrays
+        return [snapshot_state(v) for v in tree]
     if tree is None or isinstance(tree, bool | int | float | str | np.generic):
         return tree
     raise CheckpointError(f"cannot checkpoint a {type(tree).__name__} (state must be JSON data or tensors)")
@@ -404,9 +411,7 @@ class RunCheckpointer:
         self.config_yaml = config.to_yaml()
         self.events = 0
         self.events_offset = 0
-        self.durable_round = (
-            0  # the newest round whose checkpoint is on disk (the writer's; read racily, it only grows)
-        )
+        self.durable_round = 0  # the newest round whose checkpoint is on disk (the writer's; read racily, only grows)
         self._queue: queue.Queue[_RoundSave | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None  # a write that failed: no later round is written or reported
@@ -443,7 +448,7 @@ class RunCheckpointer:
         if self._pending_fd is None or self._pending_bytes + len(record) > PENDING_COMPACT_BYTES:
             self._rewrite_pending()
             return
-        os.write(self._pending_fd, record)
+        _write_all(self._pending_fd, record)
         os.fdatasync(self._pending_fd)
         self._pending_bytes += len(record)
 
@@ -530,24 +535,35 @@ class RunCheckpointer:
 
     # -- the run's end ------------------------------------------------------------------------------------------------
 
-    def finished(self, engine: RoundEngine, state: int, message: str) -> None:
+    def finished(self, engine: RoundEngine, state: int, message: str) -> tuple[int, torch.Tensor]:
         """Mark the run ended, so a restarted aggregator does not resume it; its model (that of its last completed
         round) goes to model.safetensors beside the checkpoint (fairfl.model_file). The writer's rounds are on disk
-        first: nothing is written after the end marker."""
+        first: nothing is written after the end marker. After a failed write the run ends where its checkpoint on
+        disk is (the last round written and reported), never on a round no one heard of: that checkpoint is marked
+        final as it is. Returns the round and model the run ended with."""
         self.close()
-        self._write(engine, final=(control_pb2.RunState.Name(state), message))  # type: ignore[arg-type]
-        if engine.completed_round > 0:
+        final = (control_pb2.RunState.Name(state), message)
+        if self._failure is None:
+            self._write(engine, final=final)  # type: ignore[arg-type]
+            round_number, params = engine.completed_round, engine.params
+        else:
+            round_number, params = self._mark_final_on_disk(*final)
+        if round_number > 0:
             try:
                 save_run_model(
-                    self.directory / MODEL_FILE_NAME,
-                    engine.config,
-                    self.run_id,
-                    engine.completed_round,
-                    engine.layout,
-                    engine.params,
+                    self.directory / MODEL_FILE_NAME, engine.config, self.run_id, round_number, engine.layout, params
                 )
             except (ModelFileError, ConfigError) as err:  # the checkpoint stands; `fairfl model export` reads it
                 log.error("run %s: model file not written: %s", self.run_id, err)
+        return round_number, params
+
+    def _mark_final_on_disk(self, final_state: str, final_message: str) -> tuple[int, torch.Tensor]:
+        """The checkpoint on disk, marked final; its round and model."""
+        checkpoint = checkpoint_pb2.Checkpoint.FromString((self.directory / CHECKPOINT_FILE).read_bytes())
+        checkpoint.finished, checkpoint.final_state, checkpoint.final_message = True, final_state, final_message
+        checkpoint.saved_unix = time.time()
+        atomic_write(self.directory / CHECKPOINT_FILE, checkpoint.SerializeToString())
+        return checkpoint.round, codec.tensor_from_proto(checkpoint.model).reshape(-1)
 
     # -- the checkpoint file ------------------------------------------------------------------------------------------
 

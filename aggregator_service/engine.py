@@ -257,8 +257,9 @@ class RoundEngine:
                 self._run_round(round_number)
             if self.checkpointer is not None:  # the last rounds' writes: a failure fails the run, as in a round
                 self.checkpointer.wait()
-            self._end(control_pb2.RUN_STATE_COMPLETED, f"completed {cfg.rounds} rounds")
-            return RunSummary(self.run_id, control_pb2.RUN_STATE_COMPLETED, self.round, self.params)
+            state, message = self._end(control_pb2.RUN_STATE_COMPLETED, f"completed {cfg.rounds} rounds")
+            completed = state == control_pb2.RUN_STATE_COMPLETED
+            return RunSummary(self.run_id, state, self.completed_round, self.params, "" if completed else message)
         except RunStopped as stopped:
             state, message = self._end(control_pb2.RUN_STATE_STOPPED, str(stopped))
             return RunSummary(self.run_id, state, self.completed_round, self.params, message)
@@ -293,7 +294,9 @@ class RoundEngine:
                 if state != control_pb2.RUN_STATE_FAILED:
                     state, message = control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}"
             try:
-                self.checkpointer.finished(self, state, message)
+                # After a failed write: the round and model on disk (the last round anyone heard of).
+                self.completed_round, self.params = self.checkpointer.finished(self, state, message)
+                self.reported_params = self.params
             except Exception:  # the run's outcome stands; an unmarked checkpoint is only resumed needlessly
                 log.exception("run %s: could not mark its checkpoint final", self.run_id)
         self._status(state, message)
@@ -557,7 +560,7 @@ class RoundEngine:
             self._evaluate(round_number, event)
 
     def _report_round(self, round_number: int, event: control_pb2.RoundEvent, started: float) -> None:
-        if self.checkpointer is not None:  # the previous round's write; its failure fails the run before this round
+        if self.checkpointer is not None:  # the previous round's write; its failure fails the run, unreported
             self.checkpointer.wait()
         late, duplicate = self.transport.refused_after_close(round_number)
         event.results_late += late

@@ -444,8 +444,11 @@ def _immutable(data: bytes | memoryview) -> bool:
 
 def borrowed_tensor(buffer: np.ndarray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
     """torch.frombuffer of a buffer that may be read-only (PayloadReceiver's `borrow`): such a tensor must only be
-    read, which its callers guarantee (torch warns once about it, silenced for this module below)."""
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+    read, which its callers guarantee (torch warns once about it, silenced for this module below). Where the values
+    do not start at a multiple of their size in memory (a message's framing decides), a copy: kernels expect
+    aligned elements."""
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+    return tensor if tensor.data_ptr() % dtype.itemsize == 0 else tensor.clone()
 
 
 # torch warns (once per process) that a tensor over read-only memory could be written; borrowed_tensor's are only read.

@@ -135,10 +135,18 @@ class _BufferPool:
         return _Buffers(numel, parts)
 
     def give(self, numel: int, parts: int, buffers: _Buffers) -> None:
+        """Keep `buffers` for the next sum of this size, dropping idle ones of other sizes first to stay under the
+        cap (a long-lived aggregator's next run may have another model: the last one's buffers must not pin memory)."""
+        size = buffers.nbytes()
         with self._lock:
-            if self._idle_bytes + buffers.nbytes() <= self.max_idle_bytes:
+            for key in [k for k in self._idle if k != (numel, parts)]:
+                while self._idle[key] and self._idle_bytes + size > self.max_idle_bytes:
+                    self._idle_bytes -= self._idle[key].pop().nbytes()
+                if not self._idle[key]:
+                    del self._idle[key]
+            if self._idle_bytes + size <= self.max_idle_bytes:
                 self._idle.setdefault((numel, parts), []).append(buffers)
-                self._idle_bytes += buffers.nbytes()
+                self._idle_bytes += size
 
 
 _BUFFERS = _BufferPool(max_idle_bytes=1 << 30)

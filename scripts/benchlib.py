@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from fairfl.cores import usable_cores  # noqa: E402  (the repository on the path first)
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # every process a benchmark starts inherits one intra-op thread
 
 TARGET_OPS = ("<=", ">=")
@@ -155,10 +157,7 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     mem_kib = _first_line("/proc/meminfo", "MemTotal").split()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count() or 0
+    usable = usable_cores()
     return {
         "cpu": _first_line("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

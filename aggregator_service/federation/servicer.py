@@ -164,10 +164,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         if remaining is not None:
             wait = min(wait, max(remaining - 1.0, 0.0))
         tasks = self.state.poll(request.agent_id, request.max_tasks, wait)
-        bundles = self._inline_bundles(request, tasks)
         if self.framed:  # serialised by hand: the models' bytes copied once, straight from the blobs' memory
-            return framed_poll_reply(tasks, bundles)
-        return federation_pb2.PollReply(tasks=tasks, blobs=[_inline_blob(b) for b in bundles])
+            return framed_poll_reply(tasks, self._inline_bundles(request, tasks))
+        return federation_pb2.PollReply(tasks=tasks, blobs=self._inline_blobs(request, tasks))
 
     def _inline_bundles(
         self, request: federation_pb2.PollRequest, tasks: list[federation_pb2.Task]

@@ -14,12 +14,12 @@ so the final model is bit-identical for any worker count (and to the gRPC path).
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -28,6 +28,7 @@ from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from client_agent.trainer import ClientRuntime, LocalData, resolve_device
 from fairfl.codec import CodecError
 from fairfl.config import ExperimentConfig
+from fairfl.cores import usable_cores
 from fairfl.data import load_run_data
 from fairfl.params import ParamLayout
 from fairfl.protocol import ClientResult, as_received, check_against_task, check_result
@@ -37,14 +38,6 @@ Workers = int | Literal["auto"]
 
 # A task's outcome as a worker hands it back: the result, and whether the wire checks accepted it.
 _Done = tuple[ClientResult, bool]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS reports one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows: no affinity API
-        return os.cpu_count() or 1
 
 
 def worker_count(requested: Workers, threads: int, num_clients: int, device: torch.device) -> int:
@@ -219,7 +212,7 @@ class InProcessTransport(ClientTransport):
         self._idle = queue.SimpleQueue()
 
 
-def _abandon(started: deque[Future[_Done]]) -> None:
+def _abandon(started: Iterable[Future[Any]]) -> None:
     """Tasks of a phase that ended early (stop, an exception): cancel those not yet running and wait for the rest,
     so no task of this phase runs once `execute` returns or raises; their results (and exceptions) are dropped."""
     for future in started:

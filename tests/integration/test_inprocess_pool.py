@@ -397,7 +397,7 @@ def test_compare_jobs_share_the_cores(
 
     children = RunningChildren()
     monkeypatch.setattr(children, "start", start)
-    monkeypatch.setattr(runner, "_usable_cores", lambda: 4)
+    monkeypatch.setattr(runner, "usable_cores", lambda: 4)
     assert runner._run_one(spec, spec.runs[0], 0, tmp_path / "out", "inprocess", children, jobs) is None
     (cmd,) = commands
     sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]

@@ -16,6 +16,7 @@ import torch
 
 from aggregator_service import checkpoint
 from aggregator_service.checkpoint import RunCheckpointer, run_directory
+from fairfl import codec
 from fairfl.config import ExperimentConfig
 from fairfl.v1 import control_pb2, federation_pb2
 from privacy_service.ledger import SqliteLedger
@@ -113,9 +114,15 @@ def test_a_failed_write_fails_the_run_and_its_round_is_never_reported(tmp_path: 
     summary = engine.run()
     assert summary.state == control_pb2.RUN_STATE_FAILED and "disk full" in summary.message
     assert [r.round for r in _rounds(events)] == [1]
-    assert summary.rounds_completed == 2  # as when the write failed in the round: the round's model is kept
+    # The run ends where its checkpoint on disk is (round 1, the last round reported), marked final, with its model.
+    assert summary.rounds_completed == 1
     status = events[-1].status
     assert status.state == control_pb2.RUN_STATE_FAILED and status.message == "OSError: disk full"
+    final = checkpoint.load(run_directory(tmp_path, RUN))
+    assert final is not None and final.checkpoint.finished and final.checkpoint.round == 1
+    assert final.checkpoint.final_message == "OSError: disk full"
+    assert torch.equal(summary.final_params, codec.tensor_from_proto(final.checkpoint.model).reshape(-1))
+    assert (run_directory(tmp_path, RUN) / "model.safetensors").exists()
 
 
 _CRASHING_RUN = textwrap.dedent(

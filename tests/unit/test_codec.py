@@ -564,3 +564,11 @@ def test_tensor_bytes_is_zero_copy_for_contiguous_cpu_tensors() -> None:
     view = codec.tensor_bytes(t)
     t[0] = 1.0
     assert bytes(view[:4]) == np.float32(1.0).tobytes()
+
+
+@pytest.mark.parametrize("offset", range(4))
+def test_a_borrowed_tensor_is_aligned_whatever_the_framing_offset(offset: int) -> None:
+    raw = bytes(range(64))
+    tensor = codec.borrowed_tensor(np.frombuffer(raw, dtype=np.uint8), torch.float32, 8, offset)
+    assert tensor.data_ptr() % 4 == 0
+    assert torch.equal(tensor, torch.frombuffer(bytearray(raw[offset : offset + 32]), dtype=torch.float32))

@@ -208,3 +208,16 @@ def test_big_vectors_fold_in_parallel_ranges_to_the_serial_bits(monkeypatch: pyt
         assert len(total._ranges) == threads
         means.append(total.weighted_mean())
     assert torch.equal(means[0], means[1])
+
+
+def test_the_buffer_pool_keeps_one_size_under_its_cap_and_drops_other_sizes_first() -> None:
+    from fairfl.fold import _BufferPool, _Buffers
+
+    small, large = _Buffers(1000, 1), _Buffers(4000, 1)
+    pool = _BufferPool(max_idle_bytes=large.nbytes() + small.nbytes() // 2)
+    pool.give(1000, 1, small)
+    assert pool.take(1000, 1) is small  # reused (zeroed), not allocated again
+    pool.give(1000, 1, small)
+    pool.give(4000, 1, large)  # a run with another model: the last one's idle buffers make room
+    assert pool.take(4000, 1) is large
+    assert pool.take(1000, 1) is not small

@@ -27,6 +27,7 @@ from typing import IO
 
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
+from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
 FINISHED_STATE = "RUN_STATE_COMPLETED"
@@ -94,14 +95,6 @@ class RunningChildren:
         return f"killed {killed} fairfl run processes" if killed else None
 
 
-def _usable_cores() -> int:
-    """As fairfl.compose.inprocess.usable_cores (not imported: it would load torch into the comparison process)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (macOS, Windows)
-        return os.cpu_count() or 1
-
-
 def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
     return output_dir / run.slug / f"seed{seed}"
 
@@ -150,7 +143,7 @@ def _run_one(
     cmd += ["--output", str(run_dir)]
     if transport == "inprocess" and jobs > 1 and config.runtime.inprocess_workers == "auto":
         # Each run's "auto" would take every core: `jobs` runs side by side share them instead (same results).
-        cmd += ["--set", f"runtime.inprocess_workers={max(1, _usable_cores() // jobs)}"]
+        cmd += ["--set", f"runtime.inprocess_workers={max(1, usable_cores() // jobs)}"]
     with log_path.open("w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
