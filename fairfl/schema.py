@@ -36,6 +36,19 @@ def _positive(value: float, path: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'} and finite, got {value}")
 
 
+def _describe(hint: Any) -> str:
+    """What a value of `hint` looks like to the person writing the YAML ("an integer", "'auto'")."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " or ".join(map(repr, typing.get_args(hint)))
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or dataclasses.is_dataclass(hint):
+        return "a mapping"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, str(hint))
+
+
 def _coerce(value: Any, hint: Any, path: str) -> Any:
     if hint is Any:  # a plug-in's raw parameters: its own declaration (fairfl.plugins.parse_params) checks them
         return value
@@ -52,7 +65,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
                 return _coerce(value, option, path)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {args}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        expected = " or ".join(_describe(a) for a in args if a is not type(None))
+        raise ConfigError(f"{path}: expected {expected}, got {value!r}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}")

@@ -369,8 +369,11 @@ def test_worker_count(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_inprocess_workers_is_validated_at_load() -> None:
     assert _config().runtime.inprocess_workers == "auto"
     assert _config(runtime={"inprocess_workers": 3}).runtime.inprocess_workers == 3
-    for bad in (0, -1, "many", 1.5):
-        with pytest.raises(ConfigError, match=r"runtime\.inprocess_workers"):
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match=r"runtime\.inprocess_workers: must be >= 1"):
+            _config(runtime={"inprocess_workers": bad})
+    for bad in ("many", 1.5):
+        with pytest.raises(ConfigError, match=r"runtime\.inprocess_workers: expected an integer or 'auto', got "):
             _config(runtime={"inprocess_workers": bad})
 
 
