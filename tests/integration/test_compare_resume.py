@@ -16,18 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.integration.test_compare_cli import BASE as COMPARE_BASE
+
 REPO = Path(__file__).resolve().parents[2]
-BASE = {
-    "name": "tiny-resume",
-    "seed": 0,
-    "rounds": 4,
-    "data": {"dataset": "synthetic", "num_clients": 8},
-    "model": {"name": "mlp", "params": {"hidden": [16]}},
-    "training": {"local_steps": 3, "batch_size": 20, "lr": 0.05},
-    "selection": {"clients_per_round": 3},
-    "evaluation": {"every": 2},
-    "runtime": {"agents": 2},
-}
+BASE = {**COMPARE_BASE, "name": "tiny-resume"}  # the tiny synthetic federation test_compare_cli runs
 RUNS = [
     {"label": "FedAvg", "set": {"strategy.name": "fedavg"}},
     {"label": "FedAvg lr 0.5", "set": {"strategy.server_lr": 0.5}},

@@ -78,6 +78,16 @@ def _config(dataset: str = f"{HERE}:SiteImages") -> ExperimentConfig:
     )
 
 
+def _started_run(run_id: str, dataset: str = f"{HERE}:SiteImages") -> tuple[FederationState, GrpcTransport]:
+    """A fresh federation state whose gRPC transport has started run `run_id` of _config(dataset)."""
+    state = FederationState()
+    transport = GrpcTransport(state)
+    config = _config(dataset)
+    layout = RoundEngine(run_id, config, transport, LocalSelector("random"), LocalPrivacy(), lambda e: None).layout
+    transport.start_run(run_id, config, layout)
+    return state, transport
+
+
 def _report(
     shape: tuple[int, ...] = (1, 28, 28),
     classes: int = 10,
@@ -257,12 +267,8 @@ def _register(
 
 
 def test_register_refuses_a_misfit_with_failed_precondition_during_a_site_run(caplog: pytest.LogCaptureFixture) -> None:
-    state = FederationState()
+    state, transport = _started_run("r1")
     servicer = FederationServicer(state)
-    transport = GrpcTransport(state)
-    config = _config()
-    engine_layout = RoundEngine("r1", config, transport, LocalSelector("random"), LocalPrivacy(), lambda e: None).layout
-    transport.start_run("r1", config, engine_layout)
     with caplog.at_level(logging.INFO, logger="aggregator_service.federation.servicer"):
         _register(servicer, "hospital-a", [0, 1])
     assert "site 'hospital-a': 2 clients, 40 train samples, signature input_shape [1, 4, 4], num_classes 3" in (
@@ -314,12 +320,8 @@ def test_agents_registered_before_a_site_run_are_checked_when_it_starts(caplog: 
 
 
 def test_a_refused_reregistration_drops_the_agents_earlier_registration() -> None:
-    state = FederationState()
+    state, _transport = _started_run("r1")  # kept: the run stays started
     servicer = FederationServicer(state)
-    transport = GrpcTransport(state)
-    config = _config()
-    layout = RoundEngine("r1", config, transport, LocalSelector("random"), LocalPrivacy(), lambda e: None).layout
-    transport.start_run("r1", config, layout)
     first, _ = _register(servicer, "site", [0, 1])
     with pytest.raises(_Aborted):  # the same agent came back with other data
         _register(servicer, "site", [0, 1], shape=(1, 5, 5))
@@ -327,11 +329,7 @@ def test_a_refused_reregistration_drops_the_agents_earlier_registration() -> Non
 
 
 def test_a_site_run_that_is_not_the_checked_one_ending_keeps_the_check() -> None:
-    state = FederationState()
-    transport = GrpcTransport(state)
-    config = _config()
-    layout = RoundEngine("r2", config, transport, LocalSelector("random"), LocalPrivacy(), lambda e: None).layout
-    transport.start_run("r2", config, layout)
+    state, transport = _started_run("r2")
     transport.end_run("r1")  # an earlier run's engine finishing late
     assert state.site_run is not None and state.site_run.run_id == "r2"
     transport.end_run("r2")
@@ -339,12 +337,8 @@ def test_a_site_run_that_is_not_the_checked_one_ending_keeps_the_check() -> None
 
 
 def test_a_site_run_goes_on_without_the_clients_of_a_refused_site(caplog: pytest.LogCaptureFixture) -> None:
-    state = FederationState()
+    state, transport = _started_run("r1")
     servicer = FederationServicer(state)
-    transport = GrpcTransport(state)
-    config = _config()
-    layout = RoundEngine("r1", config, transport, LocalSelector("random"), LocalPrivacy(), lambda e: None).layout
-    transport.start_run("r1", config, layout)
     _register(servicer, "good", [0, 1])
     with pytest.raises(_Aborted):
         _register(servicer, "bad", [2, 3], shape=(2, 2))
@@ -357,12 +351,8 @@ def test_a_site_run_goes_on_without_the_clients_of_a_refused_site(caplog: pytest
 
 
 def test_a_run_without_site_data_still_needs_all_its_clients() -> None:
-    state = FederationState()
+    state, transport = _started_run("r1", dataset="synthetic")
     servicer = FederationServicer(state)
-    transport = GrpcTransport(state)
-    config = _config("synthetic")
-    layout = RoundEngine("r1", config, transport, LocalSelector("random"), LocalPrivacy(), lambda e: None).layout
-    transport.start_run("r1", config, layout)
     _register(servicer, "plain", [0, 1], signature=False)
     with pytest.raises(TimeoutError, match=r"^only 2 of 4 clients registered within 0s; start more client agents"):
         transport.wait_for_clients(4, 0.3, threading.Event())
