@@ -9,13 +9,14 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 CONFIG ?= experiments/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: help setup dataset prometheus run run-inprocess monitor test test-unit test-integration bench lint format protos clean
+.PHONY: help setup dataset prometheus run run-inprocess monitor test test-unit test-integration bench results lint format protos clean
 
 help:
 	@echo "make run          run $(CONFIG) over gRPC (services and agents as local processes)"
 	@echo "make monitor      make run, with a local Prometheus scraping every process (docs/observability.md)"
 	@echo "make test         run the test suite (unit + integration)"
 	@echo "make bench        run scripts/bench_*.py, write docs/benchmarks.md (BENCH_QUICK=1: smoke pass to runs/bench/)"
+	@echo "make results      re-run every committed result into docs/results (hours; RESULTS_ONLY=name,... for some)"
 	@echo "make lint         ruff check, format check and the import-linter layer contracts (pyproject.toml)"
 	@echo "make protos       regenerate the gRPC stubs from protos/"
 	@echo "make setup        create $(VENV) and install dependencies and the dataset"
@@ -73,6 +74,11 @@ test-integration: setup
 # Benchmark scripts (not tests), each as its own process; BENCH_ONLY=round,wire runs some again, keeping the others.
 bench: setup
 	$(PY) scripts/bench_report.py $(if $(BENCH_QUICK),--quick) $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
+
+# Every committed comparison re-run from this commit into docs/results, resuming what an earlier call finished; then
+# docs/results/claims.md indexes every claim held or not (scripts/results.py). Long: not part of `make test`.
+results: setup
+	$(PY) scripts/results.py $(if $(RESULTS_ONLY),--only $(RESULTS_ONLY))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

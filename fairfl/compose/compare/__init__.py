@@ -28,6 +28,7 @@ their aggregation), `report` (tables and plots) and `command` (the `fairfl compa
 """
 
 from fairfl.compose.compare.command import add_compare_parser, cmd_compare, command_line
+from fairfl.compose.compare.metrics import EXTRA_METRICS, SEED_METRICS
 from fairfl.compose.compare.report import (
     machine_description,
     plot_accuracy_distribution,
@@ -51,8 +52,6 @@ from fairfl.compose.compare.spec import (
     slugify,
 )
 from fairfl.compose.compare.summary import (
-    EXTRA_METRICS,
-    SEED_METRICS,
     AlgorithmSummary,
     ComparisonResult,
     RunFailure,

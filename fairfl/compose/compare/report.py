@@ -12,15 +12,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fairfl.compose.compare.claims import ClaimResult
+from fairfl.compose.compare.metrics import EXTRA_METRICS, SEED_METRICS
 from fairfl.compose.compare.spec import PAPER_METRICS
 from fairfl.compose.compare.summary import (
-    EXTRA_METRICS,
-    SEED_METRICS,
     AlgorithmSummary,
     ComparisonResult,
     SeedSummary,
     Stat,
 )
+from fairfl.compose.provenance import revision_text, source_revision
 from fairfl.compose.results import FAIRNESS_COLUMNS
 
 # (key, column heading, decimals) of the Markdown table's measured columns.
@@ -145,7 +146,49 @@ def _display_path(path: Path) -> str:
         return str(path)
 
 
-def render_markdown(result: ComparisonResult, command_line: str, machine: dict[str, Any] | None = None) -> str:
+def render_claims(claims: Sequence[ClaimResult]) -> str:
+    """The claims table: each claim, its test, the difference with its interval, p and the verdict."""
+    lines = [
+        "| Claim | Tested as | Test (n) | Difference (95% CI) | p (one-sided) | Seeds the claimed way | Verdict |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    for c in claims:
+        diff = "—" if c.difference is None else f"{c.difference:.4g}"
+        if c.ci is not None:
+            diff += f" [{c.ci[0]:.4g}, {c.ci[1]:.4g}]"
+        test = f"{c.test} ({c.n})" if c.test else "—"
+        agreeing = "—" if c.agreeing_seeds is None else f"{c.agreeing_seeds}/{c.n}"
+        verdict = ("**held**" if c.held else "**not held**") + c.verdict.removeprefix("held").removeprefix("not held")
+        if c.censored:
+            verdict += f"; {_plural(c.censored, 'seed')} never reached the target (counted at final round + 1)"
+        row = [c.claim.text, f"`{c.claim.statement()}`", test, diff, _p_text(c.p_value), agreeing, verdict]
+        lines.append("| " + " | ".join(map(_cell, row)) + " |")
+    return "\n".join(lines)
+
+
+def _p_text(p: float | None) -> str:
+    if p is None:
+        return "—"
+    return "< 1e-4" if p < 1e-4 else f"{p:.4f}"
+
+
+def render_intervals(algorithms: Sequence[AlgorithmSummary]) -> str:
+    """Mean over seeds with its 95% t-interval for the table's accuracy metrics and any extra metric present."""
+    extras = [(k, h) for k, h, _ in EXTRA_METRICS if any(a.metrics[k].n for a in algorithms)]
+    cols = [(k, h) for k, h, _ in TABLE_METRICS] + extras
+    lines = ["| Algorithm | Seeds | " + " | ".join(h for _, h in cols) + " |", "|---|---:|" + "---:|" * len(cols)]
+    for a in algorithms:
+        cells = [a.metrics[k].format_ci(3 if k.startswith(("psi", "epsilon", "nmi")) else 2) for k, _ in cols]
+        lines.append("| " + " | ".join([_cell(a.label), str(len(a.seeds)), *cells]) + " |")
+    return "\n".join(lines)
+
+
+def render_markdown(
+    result: ComparisonResult,
+    command_line: str,
+    machine: dict[str, Any] | None = None,
+    revision: dict[str, Any] | None = None,
+) -> str:
     spec = result.spec
     machine = machine or machine_description()
     shared = ", ".join(f"{k}={v}" for k, v in spec.overrides.items()) or "none"
@@ -158,6 +201,7 @@ def render_markdown(result: ComparisonResult, command_line: str, machine: dict[s
         f"- Command: `{command_line}`",
         f"- Date: {result.started.isoformat(timespec='seconds')} ({result.wall_seconds:.0f} s in all)",
         f"- Machine: {hw}; Python {machine['python']}" + (f", torch {machine['torch']}" if "torch" in machine else ""),
+        f"- Code: {_code_text(revision, result.runs)}",
         f"- Base config: `{_display_path(spec.base)}`; shared overrides: {shared}",
         f"- Transport: {result.transport}; {result.jobs} run(s) at a time",
         "",
@@ -187,7 +231,18 @@ def render_markdown(result: ComparisonResult, command_line: str, machine: dict[s
             f"Rounds to {spec.target_accuracy:g}%: the first evaluated round whose mean client accuracy reached it, "
             "mean ± std over the seeds that reached it (how many did, when not all)."
         )
-    lines += ["", render_table(result.algorithms(), spec.target_accuracy)]
+    algorithms = result.algorithms()
+    lines += ["", render_table(algorithms, spec.target_accuracy)]
+    if any(a.metrics["mean"].n > 1 for a in algorithms):
+        lines += [
+            "",
+            "95% confidence intervals of the mean over seeds (t-distribution, sample std; one seed: no interval). "
+            "Ψ, ε and NMI with three decimals.",
+            "",
+            render_intervals(algorithms),
+        ]
+    if spec.claims:
+        lines += ["", "## Claims", "", _CLAIMS_TEXT, "", render_claims(result.claims())]
     if any(r.extra.get("epsilon") is not None for r in result.runs):
         lines += ["", "Per run:", ""]
         lines.append("| Algorithm | Seed | Final round | Mean acc (%) | Ψ (final round) | ε spent (ledger) |")
@@ -206,11 +261,32 @@ def render_markdown(result: ComparisonResult, command_line: str, machine: dict[s
     return "\n".join(lines) + "\n"
 
 
+_CLAIMS_TEXT = (
+    "Each claim of the comparison file, tested over seeds: d = run − baseline − margin per seed, a one-sided paired "
+    "t-test when both runs have the same seeds on the same data partition, else Welch's t-test. A claim holds when "
+    "p < its alpha (0.05 unless the file says). The difference is run − baseline without the margin, with its 95% "
+    "interval."
+)
+
+
+def _code_text(revision: dict[str, Any] | None, runs: Sequence[SeedSummary]) -> str:
+    """The commit that wrote the report and, when runs were resumed from another, which commits ran which runs."""
+    text = f"report written by commit `{revision_text(revision)}`"
+    by_commit: dict[str, int] = {}
+    for r in runs:
+        by_commit[r.revision or "unknown"] = by_commit.get(r.revision or "unknown", 0) + 1
+    if set(by_commit) - {revision_text(revision)}:
+        text += "; runs from " + ", ".join(f"`{c}` ({_plural(n, 'run')})" for c, n in sorted(by_commit.items()))
+    return text
+
+
 def _json_num(value: float | None) -> float | None:
     return None if value is None or math.isnan(value) else value
 
 
-def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, Any]) -> dict[str, Any]:
+def report_dict(
+    result: ComparisonResult, command_line: str, machine: dict[str, Any], revision: dict[str, Any] | None = None
+) -> dict[str, Any]:
     spec = result.spec
     return {
         "name": spec.name,
@@ -218,6 +294,7 @@ def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, 
         "date": result.started.isoformat(timespec="seconds"),
         "wall_seconds": round(result.wall_seconds, 3),
         "machine": machine,
+        "revision": revision,
         "source": str(spec.source) if spec.source else None,
         "base": str(spec.base),
         "set": spec.overrides,
@@ -232,7 +309,13 @@ def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, 
                 "seeds": a.seeds,
                 "failed_seeds": a.failed_seeds,
                 "metrics": {
-                    k: {"mean": _json_num(s.mean), "std": _json_num(s.std), "n": s.n} for k, s in a.metrics.items()
+                    k: {
+                        "mean": _json_num(s.mean),
+                        "std": _json_num(s.std),
+                        "n": s.n,
+                        "ci95": list(s.ci) if s.ci else None,
+                    }
+                    for k, s in a.metrics.items()
                 },
                 "paper": {k: {"value": v.value, "spread": v.spread} for k, v in a.paper.items()},
                 "variance_by_round": [[r, _json_num(m), _json_num(s)] for r, m, s in a.variance_by_round],
@@ -252,10 +335,12 @@ def report_dict(result: ComparisonResult, command_line: str, machine: dict[str, 
                 "extra": r.extra,
                 "variance_by_round": r.variance_by_round,
                 "accuracy_by_round": r.accuracy_by_round,
+                "revision": r.revision,
             }
             for r in result.runs
         ],
         "failures": [vars(f) for f in result.failures],
+        "claims": [c.as_dict() for c in result.claims()],
     }
 
 
@@ -337,15 +422,19 @@ def plot_accuracy_over_rounds(result: ComparisonResult, path: Path) -> None:
 
 
 def write_report(result: ComparisonResult, output_dir: Path, command_line: str) -> str:
-    """Write comparison.md/.csv/.json and the three plots; return the Markdown table."""
+    """Write comparison.md/.csv/.json and the three plots; return the Markdown table and each claim's verdict."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    machine = machine_description()
+    machine, revision = machine_description(), source_revision()
     algorithms = result.algorithms()
-    (output_dir / "comparison.md").write_text(render_markdown(result, command_line, machine))
+    (output_dir / "comparison.md").write_text(render_markdown(result, command_line, machine, revision))
     (output_dir / "comparison.csv").write_text(render_csv(algorithms, result.runs))
-    report = report_dict(result, command_line, machine)
+    report = report_dict(result, command_line, machine, revision)
     (output_dir / "comparison.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     plot_accuracy_distribution(result, output_dir / "accuracy_distribution.png")
     plot_variance_over_rounds(result, output_dir / "variance_over_rounds.png")
     plot_accuracy_over_rounds(result, output_dir / "accuracy_over_rounds.png")
-    return render_table(algorithms, result.spec.target_accuracy)
+    table = render_table(algorithms, result.spec.target_accuracy)
+    claims = report["claims"]
+    if claims:
+        table += "\n\nClaims:\n" + "\n".join(f"- {c['claim']}: {c['verdict']}" for c in claims)
+    return table

@@ -12,6 +12,7 @@ finished, and no pair that has not started yet is started.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -27,10 +28,12 @@ from typing import IO
 
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
+from fairfl.compose.provenance import revision_text, source_revision
 from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
 FINISHED_STATE = "RUN_STATE_COMPLETED"
+REVISION_FILE = "revision.txt"  # the commit of the code that ran the pair (fairfl.compose.provenance)
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -99,6 +102,13 @@ def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
     return output_dir / run.slug / f"seed{seed}"
 
 
+def _revision_of(run_dir: Path) -> str | None:
+    try:
+        return (run_dir / REVISION_FILE).read_text().strip() or None
+    except OSError:  # a pair finished before revisions were recorded
+        return None
+
+
 def finished_before(
     spec: ComparisonSpec, run: RunSpec, seed: int, output_dir: Path, transport: str
 ) -> SeedSummary | None:
@@ -111,7 +121,8 @@ def finished_before(
         results = json.loads((run_dir / "results.json").read_text())
         if results.get("state") != FINISHED_STATE or results.get("transport") != transport:
             return None
-        return SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
+        summary = SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
+        return dataclasses.replace(summary, revision=_revision_of(run_dir))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing, unreadable or not a results file
         return None
 
@@ -136,6 +147,7 @@ def _run_one(
     experiment = run_dir / "experiment.yaml"
     config = spec.experiment(run, seed)
     experiment.write_text(config.to_yaml())
+    (run_dir / REVISION_FILE).write_text(revision_text(source_revision()) + "\n")
     log_path = run_dir / "run.log"
     repo_root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
@@ -158,7 +170,8 @@ def _run_one(
         return RunFailure(run.label, seed, code, _tail(log_path), str(log_path))
     try:
         results = json.loads((run_dir / "results.json").read_text())
-        return SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
+        summary = SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
+        return dataclasses.replace(summary, revision=_revision_of(run_dir))
     except (OSError, ValueError, KeyError) as err:
         return RunFailure(run.label, seed, code, f"unusable results.json: {err}\n{_tail(log_path)}", str(log_path))
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import yaml
 
+from fairfl.compose.compare.claims import Claim, parse_claims
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
 
 TRANSPORTS = ("inprocess", "grpc")
 PAPER_METRICS = ("mean", "variance", "std", "worst_5", "best_5", "psi")
-_SPEC_KEYS = ("name", "base", "set", "seeds", "jobs", "transport", "paper_source", "target_accuracy", "runs")
+_SPEC_KEYS = ("name", "base", "set", "seeds", "jobs", "transport", "paper_source", "target_accuracy", "runs", "claims")
 _RUN_KEYS = ("label", "set", "seeds", "paper")
 _PM = re.compile(r"^\s*([-+0-9.eE]+)\s*(?:±|\+-|\+/-)\s*([-+0-9.eE]+)\s*$")
 
@@ -55,10 +56,18 @@ class ComparisonSpec:
     paper_source: str = ""
     source: Path | None = None  # the comparison file, when loaded from one
     target_accuracy: float | None = None  # % mean client accuracy for the rounds-to-target column
+    claims: list[Claim] = field(default_factory=list)  # tested over seeds in the report (compare.claims)
 
     def experiment(self, run: RunSpec, seed: int) -> ExperimentConfig:
         """The validated experiment of one (run, seed): base ← shared set ← run set ← seed."""
         return load_experiment(self.base, {**self.overrides, **run.overrides, "seed": seed})
+
+    def run(self, label: str) -> RunSpec:
+        return next(r for r in self.runs if r.label == label)
+
+    def same_partition(self, label_a: str, label_b: str, seed: int) -> bool:
+        """Whether two runs' seed `seed` train on the same data partition (the same data config): their seeds pair."""
+        return self.experiment(self.run(label_a), seed).data == self.experiment(self.run(label_b), seed).data
 
 
 def slugify(label: str) -> str:
@@ -197,7 +206,10 @@ def comparison_from_dict(
         )
         runs.append(run)
 
-    spec = ComparisonSpec(name, base, shared, default_seeds, runs, jobs, transport, paper_source, source, target)
+    claims = parse_claims(data.get("claims"), [r.label for r in runs], target)
+    spec = ComparisonSpec(
+        name, base, shared, default_seeds, runs, jobs, transport, paper_source, source, target, claims
+    )
     try:  # the base with the shared overrides first, so their errors are not blamed on a run
         load_experiment(base, shared)
     except ConfigError as err:

@@ -10,26 +10,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fairfl.compose.compare.claims import CI_LEVEL, ClaimResult, evaluate_claim
+from fairfl.compose.compare.metrics import EXTRA_METRICS, PSI_TAIL
 from fairfl.compose.compare.spec import ComparisonSpec, PaperValue
 from fairfl.compose.results import FAIRNESS_COLUMNS
-
-# Metrics aggregated over seeds: every final fairness metric plus wall time.
-# Columns shown only when some run has them (DP and loss-fairness runs): FedFDP's Ψ as the strategy reports it (final
-# round, and the mean over the last PSI_TAIL evaluated rounds: Ψ under DP is noisy) and the ε the privacy ledger
-# recorded (largest over principals) after the final round. Ψ is printed in scientific notation.
-EXTRA_METRICS = (
-    ("psi", "Ψ (final round)", "e"),
-    ("psi_tail", "Ψ (mean, last 5 evaluations)", "e"),
-    ("psi_test", "Ψ_test (global model)", "e"),
-    ("epsilon", "ε spent (ledger)", "f4"),
-    # Runs that cluster clients on a partition with true groups (Equitable-FL): NMI of found clusters vs true groups.
-    ("nmi", "NMI (mean over rounds)", "f3"),
-    ("nmi_all_groups", "NMI (rounds with every group)", "f3"),
-    # With target_accuracy in the comparison file: the first evaluated round whose mean client accuracy reaches it.
-    ("rounds_to_target", "Rounds to target", "f1"),
-)
-PSI_TAIL = 5
-SEED_METRICS = (*FAIRNESS_COLUMNS, *(k for k, _, _ in EXTRA_METRICS), "wall_seconds")
 
 
 @dataclass(frozen=True)
@@ -46,6 +30,7 @@ class SeedSummary:
     output_dir: str = ""
     extra: dict[str, float | None] = field(default_factory=dict)  # EXTRA_METRICS keys
     accuracy_by_round: list[tuple[int, float]] = field(default_factory=list)  # mean client accuracy per evaluation
+    revision: str | None = None  # the commit that ran it (fairfl.compose.provenance.revision_text)
 
     @classmethod
     def from_results(
@@ -128,18 +113,29 @@ def _progress_metrics(results: dict[str, Any], target: float | None) -> dict[str
 
 @dataclass(frozen=True)
 class Stat:
-    """Mean and population std over seeds (values that are None or NaN are left out)."""
+    """Mean and population std over seeds (values that are None or NaN are left out), and the t-interval of the mean
+    (sample std, CI_LEVEL) when there are two seeds or more."""
 
     mean: float
     std: float
     n: int
+    ci: tuple[float, float] | None = None
 
     @classmethod
     def of(cls, values: Sequence[float | None]) -> Stat:
         xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
         if not xs:
             return cls(math.nan, math.nan, 0)
-        return cls(statistics.fmean(xs), statistics.pstdev(xs), len(xs))
+        mean = statistics.fmean(xs)
+        return cls(mean, statistics.pstdev(xs), len(xs), _t_interval(mean, xs))
+
+    def format_ci(self, digits: int = 2) -> str:
+        """`mean [lo, hi]`; a plain mean for one seed, "—" for none."""
+        if self.n == 0:
+            return "—"
+        if self.ci is None:
+            return f"{self.mean:.{digits}f}"
+        return f"{self.mean:.{digits}f} [{self.ci[0]:.{digits}f}, {self.ci[1]:.{digits}f}]"
 
     def format(self, digits: int = 2) -> str:
         if self.n == 0:
@@ -155,6 +151,15 @@ class Stat:
         if self.n == 0:
             return "—"
         return f"{self.mean:.2e}" if self.n == 1 else f"{self.mean:.2e} ± {self.std:.1e}"
+
+
+def _t_interval(mean: float, xs: Sequence[float]) -> tuple[float, float] | None:
+    if len(xs) < 2:
+        return None
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.5 + CI_LEVEL / 2, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return (mean - half, mean + half)
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,14 @@ class ComparisonResult:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    def claims(self) -> list[ClaimResult]:
+        """Every claim of the comparison file, tested over the finished runs' seeds."""
+        spec = self.spec
+        return [
+            evaluate_claim(c, self.runs, lambda seed, c=c: spec.same_partition(c.run, c.than, seed))
+            for c in spec.claims
+        ]
 
     def algorithms(self) -> list[AlgorithmSummary]:
         return [

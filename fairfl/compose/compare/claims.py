@@ -1,0 +1,256 @@
+"""Claims as data: what a comparison file says one run does better than another, tested over seeds.
+
+A claim names a run, a metric, a direction and a baseline run, and optionally a margin::
+
+    claims:
+      - claim: FedEBA+ lowers the variance of client accuracy below FedAvg's
+        run: FedEBA+
+        metric: variance
+        is: lower            # lower | higher
+        than: FedAvg
+      - claim: FedEBA+ keeps FedAvg's mean accuracy, within 0.5 points
+        run: FedEBA+
+        metric: mean
+        is: higher
+        than: FedAvg
+        margin: -0.5         # FedEBA+ mean > FedAvg mean - 0.5
+
+With d = run − baseline − margin per seed, "lower" is the one-sided alternative mean(d) < 0 ("higher": > 0). The test is
+a paired t-test over the seeds both runs have when those seeds share their data partition (same seed, same `data`
+config), else Welch's t-test over each run's own seeds. A claim holds when p < alpha (default 0.05). The report gives
+the mean difference run − baseline with its 95% confidence interval, p, and, for paired tests, how many seeds point the
+claimed way. A run that never reached the target accuracy counts as its final round + 1 for `rounds_to_target`: the
+least it could have taken, which favours it, and the report says how many seeds were so censored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fairfl.compose.compare.metrics import SEED_METRICS
+from fairfl.config import ConfigError
+
+if TYPE_CHECKING:
+    from fairfl.compose.compare.summary import SeedSummary
+
+DIRECTIONS = ("lower", "higher")
+_CLAIM_KEYS = ("claim", "run", "metric", "is", "than", "margin", "alpha")
+DEFAULT_ALPHA = 0.05
+CI_LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Claim:
+    """`run`'s `metric` is `direction` than `than`'s (+ margin), significant at `alpha`."""
+
+    text: str
+    run: str
+    metric: str
+    direction: str
+    than: str
+    margin: float = 0.0
+    alpha: float = DEFAULT_ALPHA
+
+    def statement(self) -> str:
+        """The claim as a formula, e.g. `FedEBA+ variance < FedAvg variance − 0.5`."""
+        sign = "<" if self.direction == "lower" else ">"
+        margin = "" if self.margin == 0 else f" {'+' if self.margin > 0 else '−'} {abs(self.margin):g}"
+        return f"{self.run} {self.metric} {sign} {self.than} {self.metric}{margin}"
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claim: Claim
+    held: bool
+    verdict: str  # one line a reader can act on: why it holds, or why not
+    test: str  # "paired t-test", "Welch t-test" or "" when untestable
+    n: int  # paired: common seeds; Welch: the smaller side
+    difference: float | None  # mean of run − baseline (without the margin)
+    ci: tuple[float, float] | None  # CI_LEVEL interval of that difference
+    p_value: float | None
+    agreeing_seeds: int | None = None  # paired: seeds whose difference points the claimed way
+    censored: int = 0  # seeds counted at final round + 1 (rounds_to_target only)
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.claim
+        return {
+            "claim": c.text,
+            "statement": c.statement(),
+            "run": c.run,
+            "metric": c.metric,
+            "is": c.direction,
+            "than": c.than,
+            "margin": c.margin,
+            "alpha": c.alpha,
+            "held": self.held,
+            "verdict": self.verdict,
+            "test": self.test,
+            "n": self.n,
+            "difference": self.difference,
+            "ci95": list(self.ci) if self.ci else None,
+            "p_value": self.p_value,
+            "agreeing_seeds": self.agreeing_seeds,
+            "censored_seeds": self.censored,
+        }
+
+
+def parse_claims(value: Any, labels: Sequence[str], target_accuracy: float | None) -> list[Claim]:
+    """The comparison file's `claims:` list, validated against its run labels and the reportable metrics."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError("claims: expected a list of claims, each with claim, run, metric, is and than")
+    return [_claim(raw, f"claims[{i}]", labels, target_accuracy) for i, raw in enumerate(value)]
+
+
+def _claim(raw: Any, path: str, labels: Sequence[str], target_accuracy: float | None) -> Claim:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with fields {', '.join(_CLAIM_KEYS)}")
+    unknown = sorted(set(map(str, raw)) - set(_CLAIM_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown field {unknown[0]!r}; valid fields: {', '.join(_CLAIM_KEYS)}")
+    for key in ("run", "metric", "is", "than"):
+        if key not in raw:
+            raise ConfigError(f"{path}.{key}: required field is missing")
+    for key in ("run", "than"):
+        if raw[key] not in labels:
+            raise ConfigError(f"{path}.{key}: {raw[key]!r} is not a run label; labels: {', '.join(labels)}")
+    if raw["run"] == raw["than"]:
+        raise ConfigError(f"{path}.than: a claim compares two different runs, got {raw['run']!r} twice")
+    metric = raw["metric"]
+    if metric not in SEED_METRICS:
+        raise ConfigError(f"{path}.metric: unknown metric {metric!r}; valid metrics: {', '.join(SEED_METRICS)}")
+    if metric == "rounds_to_target" and target_accuracy is None:
+        raise ConfigError(f"{path}.metric: rounds_to_target needs target_accuracy in the comparison file")
+    if raw["is"] not in DIRECTIONS:
+        raise ConfigError(f"{path}.is: expected one of {', '.join(DIRECTIONS)}, got {raw['is']!r}")
+    margin = _finite(raw.get("margin", 0.0), f"{path}.margin")
+    alpha = _finite(raw.get("alpha", DEFAULT_ALPHA), f"{path}.alpha")
+    if not 0 < alpha < 1:
+        raise ConfigError(f"{path}.alpha: expected a significance level in (0, 1), e.g. 0.05, got {alpha!r}")
+    text = raw.get("claim")
+    if text is not None and (not isinstance(text, str) or not text.strip()):
+        raise ConfigError(f"{path}.claim: expected the claim in words, got {text!r}")
+    claim = Claim("", raw["run"], metric, raw["is"], raw["than"], margin, alpha)
+    return dataclasses.replace(claim, text=text or claim.statement())
+
+
+def _finite(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def seed_value(run: SeedSummary, metric: str) -> tuple[float | None, bool]:
+    """One seed's value of `metric` and whether it is censored (target never reached: final round + 1)."""
+    if metric == "wall_seconds":
+        value: float | None = run.wall_seconds
+    elif metric in run.final_fairness:
+        value = run.final_fairness[metric]
+    else:
+        value = run.extra.get(metric)
+    if metric == "rounds_to_target" and value is None and "rounds_to_target" in run.extra:
+        return float(run.final_round + 1), True
+    if value is None or not math.isfinite(float(value)):
+        return None, False
+    return float(value), False
+
+
+def evaluate_claim(claim: Claim, runs: Sequence[SeedSummary], shares_partition: Callable[[int], bool]) -> ClaimResult:
+    """Test one claim over the finished runs; `shares_partition(seed)` says whether both runs' seed `seed` trained on
+    the same data partition (then the seeds pair up)."""
+    mine = _values(claim.run, claim.metric, runs)
+    theirs = _values(claim.than, claim.metric, runs)
+    censored = sum(c for _, c in mine.values()) + sum(c for _, c in theirs.values())
+    common = sorted(set(mine) & set(theirs))
+    if len(common) >= 2 and all(shares_partition(s) for s in common):
+        return _paired(claim, [mine[s][0] for s in common], [theirs[s][0] for s in common], censored)
+    return _welch(claim, [v for v, _ in mine.values()], [v for v, _ in theirs.values()], censored)
+
+
+def _values(label: str, metric: str, runs: Sequence[SeedSummary]) -> dict[int, tuple[float, bool]]:
+    out = {}
+    for r in runs:
+        if r.label == label:
+            value, censored = seed_value(r, metric)
+            if value is not None:
+                out[r.seed] = (value, censored)
+    return out
+
+
+def _paired(claim: Claim, mine: list[float], theirs: list[float], censored: int) -> ClaimResult:
+    from scipy import stats
+
+    raw = [a - b for a, b in zip(mine, theirs, strict=True)]
+    n = len(raw)
+    shifted = [d - claim.margin for d in raw]
+    mean, sd = statistics.fmean(raw), statistics.stdev(raw)
+    half = stats.t.ppf(0.5 + CI_LEVEL / 2, n - 1) * sd / math.sqrt(n)
+    sign = -1.0 if claim.direction == "lower" else 1.0
+    agreeing = sum(1 for d in shifted if sign * d > 0)
+    if sd == 0:  # every seed the same difference: no spread to test against, only its sign
+        p = 0.0 if sign * shifted[0] > 0 else 1.0
+    else:
+        t = statistics.fmean(shifted) / (sd / math.sqrt(n))
+        p = float(stats.t.cdf(sign * -t, n - 1))  # one-sided: P(T >= t) for "higher", P(T <= t) for "lower"
+    return _result(claim, "paired t-test", n, mean, (mean - half, mean + half), p, agreeing, censored)
+
+
+def _welch(claim: Claim, mine: list[float], theirs: list[float], censored: int) -> ClaimResult:
+    from scipy import stats
+
+    n = min(len(mine), len(theirs))
+    if n < 2:
+        return ClaimResult(
+            claim,
+            False,
+            f"not testable: needs at least 2 seeds of each run with a value, has {len(mine)} and {len(theirs)}",
+            "",
+            n,
+            None,
+            None,
+            None,
+            None,
+            censored,
+        )
+    mean = statistics.fmean(mine) - statistics.fmean(theirs)
+    va, vb = statistics.variance(mine) / len(mine), statistics.variance(theirs) / len(theirs)
+    se = math.sqrt(va + vb)
+    sign = -1.0 if claim.direction == "lower" else 1.0
+    if se == 0:
+        p = 0.0 if sign * (mean - claim.margin) > 0 else 1.0
+        half = 0.0
+    else:
+        dof = (va + vb) ** 2 / (va**2 / (len(mine) - 1) + vb**2 / (len(theirs) - 1))
+        t = (mean - claim.margin) / se
+        p = float(stats.t.cdf(sign * -t, dof))
+        half = float(stats.t.ppf(0.5 + CI_LEVEL / 2, dof)) * se
+    return _result(claim, "Welch t-test", n, mean, (mean - half, mean + half), p, None, censored)
+
+
+def _result(
+    claim: Claim,
+    test: str,
+    n: int,
+    mean: float,
+    ci: tuple[float, float],
+    p: float,
+    agreeing: int | None,
+    censored: int,
+) -> ClaimResult:
+    held = p < claim.alpha
+    claimed_way = (mean - claim.margin < 0) == (claim.direction == "lower") and mean != claim.margin
+    if held:
+        verdict = f"held: p = {p:.3g} < {claim.alpha:g}"
+    elif claimed_way:
+        verdict = (
+            f"not held: the difference points the claimed way but is within the noise (p = {p:.3g} ≥ {claim.alpha:g})"
+        )
+    else:
+        verdict = f"not held: the difference points the other way (p = {p:.3g})"
+    return ClaimResult(claim, held, verdict, test, n, mean, ci, p, agreeing, censored)

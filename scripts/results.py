@@ -1,0 +1,264 @@
+"""Re-run every committed result into its docs/results folder and index the claims they test (`make results`).
+
+    python scripts/results.py                          # everything in docs/results/results.yaml (hours on 2 cores)
+    python scripts/results.py --only hicsfl-fmnist-setting2,fedfdp-fmnist-small
+    python scripts/results.py --list                   # what would run, and how many runs each has
+    python scripts/results.py --index                  # only rewrite docs/results/claims.md from the folders
+
+Each entry of the manifest is a comparison (`fairfl compare FILE --output docs/results/NAME --resume`) or a single
+run (`fairfl run FILE --output docs/results/NAME`, with provenance.json beside its results). Comparisons resume: a
+(run, seed) that an earlier invocation finished with the identical experiment is kept, so a long re-measurement can be
+spread over several invocations, and the report lists which commit ran which runs. Folders of runs no longer in a
+comparison file are removed. The code must be committed (results record the commit that ran them): a checkout with
+uncommitted changes outside docs/ and runs/ is refused unless --allow-dirty, and then the results say "+dirty".
+
+Ctrl-C stops the running comparison the way `fairfl compare` does (finished runs are kept) and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fairfl.compose.compare import load_comparison  # noqa: E402
+from fairfl.compose.compare.report import machine_description  # noqa: E402
+from fairfl.compose.provenance import revision_text, source_revision  # noqa: E402
+from fairfl.config import ConfigError, load_experiment  # noqa: E402
+
+RESULTS = Path("docs/results")
+MANIFEST = RESULTS / "results.yaml"
+INDEX = RESULTS / "claims.md"
+EXIT_INTERRUPTED = 130
+_ENTRY_KEYS = ("name", "compare", "run", "jobs", "transport", "set")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One result folder: docs/results/<name>, written by a comparison file or by one experiment's run."""
+
+    name: str
+    compare: str | None = None
+    run: str | None = None
+    jobs: int | None = None
+    transport: str | None = None
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def output(self) -> Path:
+        return RESULTS / self.name
+
+    def command(self) -> list[str]:
+        if self.compare:
+            cmd = ["fairfl", "compare", self.compare, "--output", str(self.output)]
+            cmd += ["--jobs", str(self.jobs)] if self.jobs else []
+            cmd += ["--transport", self.transport] if self.transport else []
+            return [*cmd, "--resume"]
+        cmd = ["fairfl", "run", str(self.run), "--output", str(self.output)]
+        cmd += ["--transport", self.transport] if self.transport else []
+        for key, value in self.overrides:
+            cmd += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        return cmd
+
+
+def load_manifest(path: Path) -> list[Entry]:
+    """The manifest, validated: every entry's file exists and loads, names are unique folder names."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: {err}") from None
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{path}: expected a list of entries, each with name and compare (or run)")
+    entries, names = [], set()
+    for i, raw in enumerate(data):
+        where = f"{path}[{i}]"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping with fields {', '.join(_ENTRY_KEYS)}")
+        unknown = sorted(set(map(str, raw)) - set(_ENTRY_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown field {unknown[0]!r}; valid fields: {', '.join(_ENTRY_KEYS)}")
+        name = raw.get("name")
+        if not isinstance(name, str) or not name or "/" in name or name in names:
+            raise ConfigError(f"{where}.name: expected a unique folder name under {RESULTS}, got {name!r}")
+        names.add(name)
+        if ("compare" in raw) == ("run" in raw):
+            raise ConfigError(f"{where}: give exactly one of compare (a comparison file) or run (an experiment)")
+        overrides = raw.get("set") or {}
+        if not isinstance(overrides, dict) or (overrides and "compare" in raw):
+            raise ConfigError(f"{where}.set: overrides of a run entry, as a mapping (a comparison has its own)")
+        entry = Entry(
+            name, raw.get("compare"), raw.get("run"), raw.get("jobs"), raw.get("transport"), tuple(overrides.items())
+        )
+        try:
+            if entry.compare:
+                load_comparison(entry.compare)
+            else:
+                load_experiment(str(entry.run), dict(overrides))
+        except ConfigError as err:
+            raise ConfigError(f"{where} ({name}): {err}") from None
+        entries.append(entry)
+    return entries
+
+
+def prune(entry: Entry) -> list[Path]:
+    """Remove run folders of a comparison's output that its file no longer has (old labels, dropped seeds)."""
+    if not entry.compare or not entry.output.is_dir():
+        return []
+    spec = load_comparison(entry.compare)
+    wanted = {run.slug: {f"seed{s}" for s in run.seeds} for run in spec.runs}
+    removed = []
+    for child in sorted(p for p in entry.output.iterdir() if p.is_dir()):
+        seeds = wanted.get(child.name)
+        stale = [child] if seeds is None else [p for p in child.iterdir() if p.is_dir() and p.name not in seeds]
+        for path in stale:
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def run_entry(entry: Entry) -> int:
+    """Run one entry as its own process (its Ctrl-C handling is fairfl's); the exit status."""
+    for path in prune(entry):
+        print(f"removed {path} (no longer in {entry.compare})", flush=True)
+    cmd = entry.command()
+    print(f"\n=== {entry.name}: {shlex.join(cmd)}", flush=True)
+    started = time.time()
+    argv = [sys.executable, "-m", "fairfl.compose", *cmd[1:]]
+    if entry.run:
+        entry.output.mkdir(parents=True, exist_ok=True)
+        with (entry.output / "console.log").open("w") as log:
+            code = _call(argv, stdout=log, stderr=subprocess.STDOUT)
+        print((entry.output / "console.log").read_text()[-2000:], flush=True)
+        _write_provenance(entry, cmd, started, code)
+        return code
+    return _call(argv)
+
+
+def _call(argv: list[str], **kwargs: Any) -> int:
+    """Run a fairfl command in its own session and pass each SIGINT/SIGTERM on to it once, so fairfl stops the way it
+    does at a terminal (a first signal ends the run in order, a second forces) and this script waits for it."""
+    process = subprocess.Popen(argv, cwd=REPO, start_new_session=True, **kwargs)
+
+    def forward(signum: int, _frame: Any) -> None:
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _write_provenance(entry: Entry, cmd: list[str], started: float, code: int) -> None:
+    record = {
+        "command": shlex.join(cmd),
+        "exit_code": code,
+        "revision": source_revision(),
+        "machine": machine_description(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_seconds": round(time.time() - started, 1),
+    }
+    (entry.output / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def render_index(entries: list[Entry]) -> str:
+    """docs/results/claims.md: every comparison's claims, held or not, from its comparison.json."""
+    lines = [
+        "# What holds where",
+        "",
+        "Every claim the committed comparisons test, as their reports state it (generated by "
+        "`python scripts/results.py --index` from each folder's comparison.json; `make results` re-runs them). A claim "
+        "holds when its one-sided test over seeds gives p < 0.05 (paired t-test over seeds that share a partition, "
+        "else Welch's).",
+        "",
+        "| Result | Claim | Test (n) | Difference (95% CI) | p | Verdict | Commit |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for entry in entries:
+        report_path = entry.output / "comparison.json"
+        if not entry.compare or not report_path.is_file():
+            continue
+        report = json.loads(report_path.read_text())
+        commits = sorted({r.get("revision") or "unknown" for r in report.get("runs", [])})
+        commit = ", ".join(c[:10] + ("+dirty" if c.endswith("+dirty") else "") for c in commits)
+        for c in report.get("claims", []):
+            diff = "—" if c["difference"] is None else f"{c['difference']:.4g}"
+            if c.get("ci95"):
+                diff += f" [{c['ci95'][0]:.4g}, {c['ci95'][1]:.4g}]"
+            p = "—" if c["p_value"] is None else ("< 1e-4" if c["p_value"] < 1e-4 else f"{c['p_value']:.4f}")
+            test = f"{c['test']} ({c['n']})" if c["test"] else "—"
+            verdict = "**held**" if c["held"] else "**not held**"
+            cells = [f"[{entry.name}]({entry.name}/comparison.md)", c["claim"], test, diff, p, verdict, commit]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated entry names (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the entries and exit")
+    parser.add_argument("--index", action="store_true", help="only rewrite docs/results/claims.md")
+    parser.add_argument("--allow-dirty", action="store_true", help="run from a checkout with uncommitted changes")
+    args = parser.parse_args(argv)
+    os.chdir(REPO)  # the manifest's paths, and the ones reports print, are relative to the repository
+    try:
+        entries = load_manifest(MANIFEST)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    chosen = entries
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in {e.name for e in entries}]
+        if unknown:
+            print(
+                f"error: --only: unknown entry {unknown[0]!r}; entries: {', '.join(e.name for e in entries)}",
+                file=sys.stderr,
+            )
+            return 2
+        chosen = [e for e in entries if e.name in names]
+    if args.list:
+        for e in chosen:
+            size = sum(len(r.seeds) for r in load_comparison(e.compare).runs) if e.compare else 1
+            print(f"{e.name}: {size} run(s): {shlex.join(e.command())}")
+        return 0
+    worst = 0
+    if not args.index:
+        revision = source_revision()
+        if revision is None or (revision["dirty"] and not args.allow_dirty):
+            why = "not a git checkout" if revision is None else "uncommitted changes outside docs/ and runs/"
+            print(
+                f"error: {why}: results record the commit that ran them; commit first, or pass --allow-dirty",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"re-running {len(chosen)} result(s) at {revision_text(revision)}", flush=True)
+        for entry in chosen:
+            code = run_entry(entry)
+            if code == EXIT_INTERRUPTED:
+                print(f"interrupted in {entry.name}; run the same command again to go on", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            worst = max(worst, code)
+    INDEX.write_text(render_index(entries))
+    print(f"wrote {INDEX}")
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())

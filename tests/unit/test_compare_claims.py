@@ -1,0 +1,226 @@
+"""Claims as data in a comparison file: validation at load, the statistical tests over seeds, intervals and the
+report. The tests are checked against scipy's own t-tests, computed independently of fairfl's code."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from scipy import stats
+
+from fairfl.compose.compare import ComparisonResult, SeedSummary, Stat, load_comparison, write_report
+from fairfl.compose.compare.claims import Claim, evaluate_claim
+from fairfl.compose.results import FAIRNESS_COLUMNS
+from fairfl.config import ConfigError
+
+BASE = {
+    "name": "tiny",
+    "rounds": 2,
+    "data": {"dataset": "synthetic", "num_clients": 4},
+    "model": {"name": "logreg"},
+    "training": {"local_steps": 1},
+    "selection": {"clients_per_round": 2},
+}
+
+
+def spec_file(tmp_path: Path, claims: Any, **changes: Any) -> Path:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
+    spec: dict[str, Any] = {
+        "name": "claims",
+        "base": "base.yaml",
+        "seeds": [0, 1, 2, 3, 4],
+        "runs": [
+            {"label": "Fair", "set": {"strategy.name": "qffl"}},
+            {"label": "FedAvg", "set": {"strategy.name": "fedavg"}},
+            {"label": "FedAvg other data", "set": {"data.params.alpha": 0.5}},
+        ],
+        "claims": claims,
+        **changes,
+    }
+    path = tmp_path / "compare.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+    return path
+
+
+def claim_error(tmp_path: Path, claim: dict[str, Any], **changes: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_comparison(spec_file(tmp_path, [claim], **changes))
+    return str(info.value)
+
+
+GOOD = {"claim": "Fair is fairer", "run": "Fair", "metric": "variance", "is": "lower", "than": "FedAvg"}
+
+
+def test_claims_load_with_defaults_and_a_statement(tmp_path: Path) -> None:
+    spec = load_comparison(
+        spec_file(tmp_path, [GOOD, {**GOOD, "claim": None, "metric": "mean", "is": "higher", "margin": -0.5}])
+    )
+    fair, mean = spec.claims
+    assert (fair.text, fair.alpha, fair.margin) == ("Fair is fairer", 0.05, 0.0)
+    assert fair.statement() == "Fair variance < FedAvg variance"
+    assert mean.text == mean.statement() == "Fair mean > FedAvg mean − 0.5"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"run": "Nope"}, "claims[0].run: 'Nope' is not a run label; labels: Fair, FedAvg, FedAvg other data"),
+        ({"than": "Fair"}, "claims[0].than: a claim compares two different runs, got 'Fair' twice"),
+        ({"metric": "accuracy"}, "claims[0].metric: unknown metric 'accuracy'; valid metrics: mean, "),
+        ({"metric": "rounds_to_target"}, "claims[0].metric: rounds_to_target needs target_accuracy"),
+        ({"is": "smaller"}, "claims[0].is: expected one of lower, higher, got 'smaller'"),
+        ({"alpha": 1.5}, "claims[0].alpha: expected a significance level in (0, 1)"),
+        ({"margin": "half"}, "claims[0].margin: expected a finite number, got 'half'"),
+        ({"because": "x"}, "claims[0]: unknown field 'because'; valid fields: claim, run, metric, is, than"),
+        ({"claim": ""}, "claims[0].claim: expected the claim in words, got ''"),
+    ],
+)
+def test_bad_claims_name_the_field(tmp_path: Path, change: dict[str, Any], expected: str) -> None:
+    assert expected in claim_error(tmp_path, {**GOOD, **change})
+
+
+def test_missing_claim_field_and_bad_list_are_named(tmp_path: Path) -> None:
+    assert (
+        claim_error(tmp_path, {k: v for k, v in GOOD.items() if k != "than"})
+        == "claims[0].than: required field is missing"
+    )
+    with pytest.raises(ConfigError, match="claims: expected a list of claims"):
+        load_comparison(spec_file(tmp_path, {"run": "Fair"}))
+
+
+# --- the tests over seeds ---------------------------------------------------------------------------------------------
+
+
+def seed(label: str, seed: int, variance: float, *, rounds_to_target: float | None = 0.0) -> SeedSummary:
+    fairness: dict[str, float | None] = {k: 1.0 for k in FAIRNESS_COLUMNS}
+    fairness["variance"] = variance
+    extra: dict[str, float | None] = {} if rounds_to_target == 0.0 else {"rounds_to_target": rounds_to_target}
+    return SeedSummary(label, seed, 100, fairness, 1.0, [], [], extra=extra)
+
+
+def runs_of(fair: list[float], fedavg: list[float]) -> list[SeedSummary]:
+    return [seed("Fair", i, v) for i, v in enumerate(fair)] + [seed("FedAvg", i, v) for i, v in enumerate(fedavg)]
+
+
+CLAIM = Claim("Fair is fairer", "Fair", "variance", "lower", "FedAvg")
+
+
+def test_paired_claim_matches_scipys_paired_t_test_and_holds() -> None:
+    fair, fedavg = [40.0, 52.0, 47.0, 44.0, 50.0], [61.0, 70.0, 58.0, 66.0, 72.0]
+    result = evaluate_claim(CLAIM, runs_of(fair, fedavg), lambda s: True)
+    expected = stats.ttest_rel(fair, fedavg, alternative="less")
+    assert result.test == "paired t-test" and result.n == 5
+    assert result.p_value == pytest.approx(expected.pvalue, rel=1e-9)
+    assert result.held and result.verdict.startswith("held: p = ")
+    assert result.agreeing_seeds == 5
+    diffs = [a - b for a, b in zip(fair, fedavg, strict=True)]
+    lo, hi = stats.t.interval(0.95, 4, loc=sum(diffs) / 5, scale=stats.sem(diffs))
+    assert result.difference == pytest.approx(sum(diffs) / 5)
+    assert result.ci == pytest.approx((lo, hi))
+
+
+def test_a_gap_inside_the_noise_is_not_held_and_says_so() -> None:
+    fair, fedavg = [40.0, 70.0, 47.0, 64.0, 50.0], [61.0, 50.0, 58.0, 46.0, 72.0]
+    result = evaluate_claim(CLAIM, runs_of(fair, fedavg), lambda s: True)
+    assert result.p_value == pytest.approx(stats.ttest_rel(fair, fedavg, alternative="less").pvalue)
+    assert not result.held and "points the claimed way but is within the noise" in result.verdict
+    assert result.agreeing_seeds == 3
+
+
+def test_the_opposite_direction_is_not_held() -> None:
+    result = evaluate_claim(CLAIM, runs_of([60.0, 71.0, 66.0], [50.0, 52.0, 55.0]), lambda s: True)
+    assert not result.held and "points the other way" in result.verdict and result.p_value > 0.9
+
+
+def test_margin_shifts_the_hypothesis_not_the_reported_difference() -> None:
+    claim = Claim("mean within 0.5", "Fair", "variance", "higher", "FedAvg", margin=-0.5)
+    fair, fedavg = [10.0, 10.1, 9.9, 10.0], [10.2, 10.3, 10.1, 10.25]  # 0.1 to 0.25 lower, never 0.5
+    result = evaluate_claim(claim, runs_of(fair, fedavg), lambda s: True)
+    expected = stats.ttest_1samp([a - b + 0.5 for a, b in zip(fair, fedavg, strict=True)], 0.0, alternative="greater")
+    assert result.p_value == pytest.approx(expected.pvalue)
+    assert result.held and result.difference == pytest.approx(-0.2125)
+
+
+def test_seeds_on_different_partitions_use_welchs_test() -> None:
+    fair, fedavg = [40.0, 52.0, 47.0, 44.0, 50.0], [61.0, 70.0, 58.0]
+    result = evaluate_claim(CLAIM, runs_of(fair, fedavg), lambda s: False)
+    expected = stats.ttest_ind(fair, fedavg, equal_var=False, alternative="less")
+    assert result.test == "Welch t-test" and result.n == 3 and result.agreeing_seeds is None
+    assert result.p_value == pytest.approx(expected.pvalue, rel=1e-9)
+    two_sided = stats.ttest_ind(fair, fedavg, equal_var=False).confidence_interval(0.95)
+    assert result.ci == pytest.approx((two_sided.low, two_sided.high))
+    assert result.difference == pytest.approx(sum(fair) / 5 - sum(fedavg) / 3)
+
+
+def test_one_seed_per_side_is_not_testable() -> None:
+    result = evaluate_claim(CLAIM, runs_of([40.0], [60.0]), lambda s: True)
+    assert not result.held and result.p_value is None and "not testable" in result.verdict
+
+
+def test_identical_differences_hold_by_their_sign() -> None:
+    result = evaluate_claim(CLAIM, runs_of([40.0, 50.0, 60.0], [41.0, 51.0, 61.0]), lambda s: True)
+    assert result.held and result.p_value == 0.0 and result.ci == pytest.approx((-1.0, -1.0))
+
+
+def test_rounds_to_target_counts_a_seed_that_never_reached_it_at_final_round_plus_one() -> None:
+    claim = Claim("faster", "Fair", "rounds_to_target", "lower", "FedAvg")
+    runs = [seed("Fair", i, 0.0, rounds_to_target=r) for i, r in enumerate([40.0, 45.0, 50.0])]
+    runs += [seed("FedAvg", i, 0.0, rounds_to_target=r) for i, r in enumerate([None, 90.0, None])]
+    result = evaluate_claim(claim, runs, lambda s: True)
+    expected = stats.ttest_rel([40.0, 45.0, 50.0], [101.0, 90.0, 101.0], alternative="less")
+    assert result.censored == 2 and result.p_value == pytest.approx(expected.pvalue) and result.held
+
+
+def test_stat_interval_is_the_t_interval_of_the_mean() -> None:
+    xs = [80.0, 84.0, 86.0, 83.0, 85.0]
+    lo, hi = stats.t.interval(0.95, 4, loc=sum(xs) / 5, scale=stats.sem(xs))
+    s = Stat.of(xs)
+    assert s.ci == pytest.approx((lo, hi))
+    assert s.format_ci() == f"83.60 [{lo:.2f}, {hi:.2f}]"
+    assert Stat.of([1.0]).ci is None and Stat.of([1.0]).format_ci() == "1.00"
+
+
+# --- pairing from the comparison file and the written report ----------------------------------------------------------
+
+
+def test_pairing_follows_the_data_config(tmp_path: Path) -> None:
+    spec = load_comparison(spec_file(tmp_path, [GOOD]))
+    assert spec.same_partition("Fair", "FedAvg", 3)  # different strategies, same data: the seeds pair
+    assert not spec.same_partition("Fair", "FedAvg other data", 3)
+
+
+def test_report_lists_each_claim_held_or_not_with_its_test(tmp_path: Path) -> None:
+    claims = [
+        GOOD,
+        {**GOOD, "claim": "FedAvg is fairer", "run": "FedAvg", "than": "Fair"},
+        {**GOOD, "claim": "vs other data", "than": "FedAvg other data"},
+    ]
+    spec = load_comparison(spec_file(tmp_path, claims))
+    fair, fedavg = [40.0, 52.0, 47.0, 44.0, 50.0], [61.0, 70.0, 58.0, 66.0, 72.0]
+    runs = runs_of(fair, fedavg) + [seed("FedAvg other data", i, v) for i, v in enumerate(fedavg)]
+    result = ComparisonResult(spec, tmp_path, 1, "inprocess", runs, [], datetime(2026, 1, 1).astimezone(), 1.0)
+    table = write_report(result, tmp_path / "out", "fairfl compare compare.yaml")
+    assert "Claims:\n- Fair is fairer: held: p = " in table
+    assert "- FedAvg is fairer: not held: the difference points the other way" in table
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "## Claims" in md and "| Fair is fairer | `Fair variance < FedAvg variance` | paired t-test (5) |" in md
+    assert "| vs other data | `Fair variance < FedAvg other data variance` | Welch t-test (5) |" in md
+    assert "95% confidence intervals of the mean over seeds" in md
+    report = json.loads((tmp_path / "out" / "comparison.json").read_text())
+    held = [(c["claim"], c["held"], c["test"]) for c in report["claims"]]
+    assert held == [
+        ("Fair is fairer", True, "paired t-test"),
+        ("FedAvg is fairer", False, "paired t-test"),
+        ("vs other data", True, "Welch t-test"),
+    ]
+    assert report["claims"][0]["p_value"] == pytest.approx(stats.ttest_rel(fair, fedavg, alternative="less").pvalue)
+    assert (
+        report["algorithms"][0]["metrics"]["variance"]["ci95"][0]
+        < 46.6
+        < report["algorithms"][0]["metrics"]["variance"]["ci95"][1]
+    )
+    assert report["revision"]["commit"]  # this checkout is a git repository

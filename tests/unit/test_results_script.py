@@ -1,0 +1,161 @@
+"""scripts/results.py (`make results`): the manifest, stale-folder pruning, the claims index and the refusal to
+record results from uncommitted code. The runs themselves are `fairfl compare`, tested on its own."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from fairfl.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("results_script", REPO / "scripts" / "results.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+results = _load_script()
+
+BASE = {
+    "name": "tiny",
+    "rounds": 2,
+    "data": {"dataset": "synthetic", "num_clients": 4},
+    "model": {"name": "logreg"},
+    "training": {"local_steps": 1},
+    "selection": {"clients_per_round": 2},
+}
+
+
+def federation(tmp_path: Path, manifest: Any) -> Path:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
+    compare = {
+        "name": "tiny",
+        "base": "base.yaml",
+        "seeds": [0, 1],
+        "runs": [{"label": "A", "set": {"strategy.name": "fedavg"}}, {"label": "B", "seeds": [0]}],
+        "claims": [{"claim": "A is fairer", "run": "A", "metric": "variance", "is": "lower", "than": "B"}],
+    }
+    (tmp_path / "tiny.compare.yaml").write_text(yaml.safe_dump(compare, sort_keys=False))
+    path = tmp_path / "results.yaml"
+    path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return path
+
+
+def manifest_error(tmp_path: Path, manifest: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        results.load_manifest(federation(tmp_path, manifest))
+    return str(info.value)
+
+
+def test_the_committed_manifest_loads_and_every_comparison_tests_claims(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fairfl.compose.compare import load_comparison
+
+    monkeypatch.chdir(REPO)
+    entries = results.load_manifest(results.MANIFEST)
+    assert {e.name for e in entries} >= {"hicsfl-fmnist-setting2", "fedfdp-fmnist-small", "equitable-fmnist"}
+    for entry in (e for e in entries if e.compare):
+        spec = load_comparison(entry.compare)
+        assert spec.claims, f"{entry.compare} declares no claims"
+        headline = {c.run for c in spec.claims} | {c.than for c in spec.claims}
+        assert all(len(spec.run(label).seeds) >= 5 for label in headline), entry.compare
+
+
+@pytest.mark.parametrize(
+    ("manifest", "expected"),
+    [
+        ({"name": "x"}, "expected a list of entries"),
+        ([{"name": "x", "compare": "tiny.compare.yaml", "run": "base.yaml"}], "give exactly one of compare"),
+        ([{"name": "x"}], "give exactly one of compare"),
+        ([{"name": "x", "compare": "tiny.compare.yaml", "when": 1}], "unknown field 'when'"),
+        ([{"name": "a/b", "compare": "tiny.compare.yaml"}], "[0].name: expected a unique folder name"),
+        (
+            [{"name": "x", "compare": "tiny.compare.yaml"}, {"name": "x", "compare": "tiny.compare.yaml"}],
+            "[1].name: expected a unique folder name",
+        ),
+        ([{"name": "x", "compare": "missing.yaml"}], "[0] (x): comparison file 'missing.yaml' not found"),
+        ([{"name": "x", "run": "base.yaml", "set": {"rounds": 0}}], "[0] (x): rounds"),
+    ],
+)
+def test_bad_manifests_name_the_entry_and_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manifest: Any, expected: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert expected in manifest_error(tmp_path, manifest)
+
+
+def test_run_entries_become_fairfl_run_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    manifest = [
+        {"name": "cmp", "compare": "tiny.compare.yaml", "jobs": 2},
+        {"name": "one", "run": "base.yaml", "transport": "grpc", "set": {"rounds": 1, "strategy.name": "fedavg"}},
+    ]
+    cmp, one = results.load_manifest(federation(tmp_path, manifest))
+    assert cmp.command() == [
+        "fairfl", "compare", "tiny.compare.yaml", "--output", "docs/results/cmp", "--jobs", "2", "--resume",
+    ]  # fmt: skip
+    assert one.command() == [
+        "fairfl", "run", "base.yaml", "--output", "docs/results/one", "--transport", "grpc",
+        "--set", "rounds=1", "--set", "strategy.name=fedavg",
+    ]  # fmt: skip
+
+
+def test_prune_removes_runs_the_comparison_no_longer_has(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (entry,) = results.load_manifest(federation(tmp_path, [{"name": "cmp", "compare": "tiny.compare.yaml"}]))
+    out = Path("docs/results/cmp")  # relative, as the script's paths are
+    for path in ("a/seed0", "a/seed1", "a/seed2", "b/seed0", "b/seed1", "old-label/seed0"):
+        (out / path).mkdir(parents=True)
+        (out / path / "results.json").write_text("{}")
+    (out / "comparison.md").write_text("kept")
+    removed = {str(p.relative_to(out)) for p in results.prune(entry)}
+    assert removed == {"a/seed2", "b/seed1", "old-label"}
+    assert sorted(str(p.relative_to(out)) for p in out.glob("*/seed*")) == ["a/seed0", "a/seed1", "b/seed0"]
+    assert (out / "comparison.md").read_text() == "kept"
+
+
+def test_index_lists_each_claim_with_its_verdict_and_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    entries = results.load_manifest(
+        federation(
+            tmp_path,
+            [{"name": "cmp", "compare": "tiny.compare.yaml"}, {"name": "none", "compare": "tiny.compare.yaml"}],
+        )
+    )
+    out = tmp_path / "docs" / "results" / "cmp"
+    out.mkdir(parents=True)
+    claim = {"claim": "A is fairer", "held": False, "test": "paired t-test", "n": 5, "difference": -1.5,
+             "ci95": [-4.0, 1.0], "p_value": 0.12}  # fmt: skip
+    report = {"claims": [claim], "runs": [{"revision": "0123456789abcdef"}, {"revision": "0123456789abcdef+dirty"}]}
+    (out / "comparison.json").write_text(json.dumps(report))
+    index = results.render_index(entries)
+    row = (
+        "| [cmp](cmp/comparison.md) | A is fairer | paired t-test (5) | -1.5 [-4, 1] | 0.1200 | **not held** | "
+        "0123456789, 0123456789+dirty |"
+    )
+    assert row in index.splitlines()
+    assert "none" not in index  # no report yet: no rows
+
+
+def test_uncommitted_code_is_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(results, "source_revision", lambda: {"commit": "abc", "dirty": True})
+    monkeypatch.setattr(results, "run_entry", lambda entry: pytest.fail("ran despite uncommitted changes"))
+    assert results.main(["--only", "hicsfl-fmnist-setting2"]) == 2
+    assert "uncommitted changes outside docs/ and runs/" in capsys.readouterr().err
+
+
+def test_unknown_only_name_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert results.main(["--only", "nope"]) == 2
+    assert "--only: unknown entry 'nope'; entries: hicsfl-fmnist-setting2" in capsys.readouterr().err
