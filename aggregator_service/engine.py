@@ -31,7 +31,7 @@ from fairfl.config import ConfigError, ExperimentConfig
 from fairfl.data import run_signature
 from fairfl.data.groups import client_groups
 from fairfl.fold import ResultFold
-from fairfl.metrics.fairness import fairness_report
+from fairfl.metrics.fairness import fairness_report, psi_telemetry
 from fairfl.models import build_run_model, require_signatures
 from fairfl.params import ParamLayout, flatten_parameters
 from fairfl.privacy import dp_seed
@@ -534,15 +534,21 @@ class RoundEngine:
         """The new global model from the round's results (client-level DP aggregates itself), and what the round
         event reports of it."""
         if self.dp is not None and self.dp.client_level:
+            # Only the noisy model leaves a client-level DP round: no Ψ of the clients' losses (see dp.aggregate).
             outcome = self.dp.aggregate(ctx, phases)
+            metrics = outcome.metrics
         else:
             outcome = self.strategy.aggregate(ctx, phases)
+            # Ψ telemetry for every strategy, over the training phase's results that reported each loss (none where
+            # the losses were not measured or were withheld). A metric the strategy reports under the same name wins:
+            # FedFair's non-DP psi is Eq. 7 around its own global loss F.
+            metrics = {**psi_telemetry(train_results(phases)), **outcome.metrics}
         if not codec.all_finite(outcome.params):  # one sum, not an element-wise pass (1 GiB models)
             raise RuntimeError(f"round {ctx.round}: aggregation produced non-finite parameters")
         self.params = outcome.params
         self.failed_rounds = 0
         event.aggregation_weights.extend(outcome.weights[c] for c in sorted(outcome.weights))
-        event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in outcome.metrics.items())
+        event.strategy_metrics.extend(common_pb2.Metric(name=k, value=v) for k, v in metrics.items())
         groups = self.true_groups or {}
         event.clusters.extend(
             control_pb2.ClientCluster(client_id=c, cluster=k, true_group=groups.get(c, -1))

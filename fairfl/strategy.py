@@ -102,7 +102,8 @@ class Strategy(ABC):
     name: ClassVar[str] = ""  # a display name (logs, reports); the config names the strategy as it was registered
     Params: ClassVar[type] = NoParams
     # Whether aggregate() reads the clients' F_i (loss_before, loss_after, accuracy_before). If not, agents skip the two
-    # forward passes that measure them unless training.loss_telemetry asks for them; Ψ telemetry is then not reported.
+    # forward passes that measure them unless training.loss_telemetry asks for them. Ψ telemetry is the engine's: it is
+    # reported for every strategy whose clients measured F_i (fairfl.metrics.fairness.psi_telemetry).
     reads_client_losses: ClassVar[bool] = True
     # The privacy.principal values this strategy has a DP procedure for: "client" (record-level DP-SGD on every
     # client, the engine adds it to each TRAIN task) and/or "federation" (client-level DP-FedAvg: the engine clips,

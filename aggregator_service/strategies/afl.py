@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
-from fairfl.metrics.fairness import weight_entropy
+from aggregator_service.strategies.fedfair import require_finite
+from fairfl.metrics.fairness import weight_entropy, weight_entropy_metrics
 from fairfl.protocol import UPDATE, ClientResult
 from fairfl.strategy import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 
@@ -81,7 +81,7 @@ class AFL(Strategy):
         self.log_lambda[ids] += self.params.lambda_lr * losses
         self.log_lambda = _normalise_log(self.log_lambda)
         mixture = self.mixture
-        metrics = loss_metrics(results, weights)
+        metrics = weight_entropy_metrics(weights)
         metrics["lambda_entropy"] = weight_entropy(mixture)
         metrics["lambda_max"] = float(mixture.max())
         return AggregateOutcome(

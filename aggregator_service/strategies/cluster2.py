@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aggregator_service.strategies.equitable import fedprox_plan
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from aggregator_service.strategies.fedfair import require_finite
+from fairfl.metrics.fairness import weight_entropy_metrics
 from fairfl.protocol import UPDATE, ClientResult
 from fairfl.strategy import (
     AggregateOutcome,
@@ -55,7 +56,7 @@ class Cluster2(Strategy):
     # Cluster2 is a sampling method (Fraboni et al. Alg. 2): with any other selection it would silently be FedProx
     # with uniform weights.
     required_selection = REQUIRED_SELECTION
-    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
+    reads_client_losses = False  # F_i feed only the engine's Ψ telemetry (training.loss_telemetry)
     Params = Cluster2Params
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:
@@ -68,5 +69,5 @@ class Cluster2(Strategy):
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,
             weights={r.client_id: w for r, w in zip(results, weights, strict=True)},
-            metrics=loss_metrics(results, weights),
+            metrics=weight_entropy_metrics(weights),
         )

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from aggregator_service.strategies.fedfair import require_finite
 from fairfl import codec
+from fairfl.metrics.fairness import weight_entropy_metrics
 from fairfl.privacy import dp_seed
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
 from fairfl.strategy import (
@@ -106,7 +107,7 @@ def check_reply(reply: clustering_pb2.ClusterReply, n: int) -> None:
 class Equitable(Strategy):
     name = "equitable"
     client_signatures = frozenset({"activation"})  # clusters clients by their penultimate-layer activations
-    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
+    reads_client_losses = False  # F_i feed only the engine's Ψ telemetry (training.loss_telemetry)
     Params = EquitableParams
 
     def configure(self, ctx: RoundContext, phase_index: int, prior: Sequence[list[ClientResult]]) -> PhasePlan | None:
@@ -148,7 +149,7 @@ class Equitable(Strategy):
         check_reply(reply, len(ids))
         weights = list(reply.equal_cluster_weights)
         delta = weighted_sum([r.payloads[UPDATE] for r in results], weights)
-        metrics = loss_metrics(results, weights)
+        metrics = weight_entropy_metrics(weights)
         metrics["clusters_found"] = float(len(reply.sizes))
         if ctx.true_groups is not None:
             metrics["nmi"] = reply.nmi

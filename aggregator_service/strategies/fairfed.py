@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from aggregator_service.strategies.equitable import fedprox_plan
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from aggregator_service.strategies.fedfair import require_finite
+from fairfl.metrics.fairness import weight_entropy_metrics
 from fairfl.protocol import UPDATE, ClientResult
 from fairfl.strategy import (
     AggregateOutcome,
@@ -89,7 +90,7 @@ class FairFed(Strategy):
             log.warning("round %d: every participant's FairFed weight is 0; using sample-size weights", ctx.round)
             weights = samples / samples.sum()
         delta = weighted_sum([r.payloads[UPDATE] for r in results], weights.tolist())
-        metrics = loss_metrics(results, weights.tolist())
+        metrics = weight_entropy_metrics(weights.tolist())
         metrics["fairfed_global_accuracy"] = global_accuracy
         metrics["fairfed_mean_gap"] = float(gaps.mean())
         metrics["fairfed_zero_weights"] = float((omega == 0).sum())

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aggregator_service.strategies.fedfair import loss_metrics
 from fairfl.fold import ResultFold, sample_weighted
+from fairfl.metrics.fairness import weight_entropy_metrics
 from fairfl.protocol import TRAIN, ClientResult
 from fairfl.schema import ConfigError
 from fairfl.strategy import (
@@ -36,7 +36,7 @@ class FedAvgParams:
 
 class FedAvg(Strategy):
     name = "fedavg"
-    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
+    reads_client_losses = False  # F_i feed only the engine's Ψ telemetry (training.loss_telemetry)
     Params = FedAvgParams
     # DP-FedAvg: record-level DP-SGD on the clients, or client-level DP where the engine's clipped noisy average
     # (aggregator_service/dp.py) replaces this weighted one.
@@ -70,7 +70,7 @@ class FedAvg(Strategy):
         return AggregateOutcome(
             params=ctx.params + self.server_lr * delta,
             weights=by_client,
-            metrics=loss_metrics(results, weights),  # Ψ telemetry when training.loss_telemetry measured the losses
+            metrics=weight_entropy_metrics(weights),  # Ψ is the engine's (psi_telemetry)
         )
 
     def state_dict(self) -> dict[str, Any]:

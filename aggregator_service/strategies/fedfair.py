@@ -9,12 +9,8 @@ F ← Σ p_i F_i(w_{t+1}^i), F_i on local *training* data, i.e. ClientResult.los
 With privacy.enabled this is FedFDP (Algorithm 2): the engine puts DP-SGD into every task, λ goes into the clients'
 fair clipping coefficient min(max(1 + λΔ_i^j, 0), C/‖g‖) (Eq. 15) and F is aggregated from the noisy losses F̃_i.
 
-This module also owns `loss_metrics`, the Ψ telemetry every baseline reports (spec §9.13 asks for both forms):
-  psi        = Σ p_i (F_i(x_{t,K}^i) − F)², local models' losses (loss_after), the paper tables' Ψ;
-  psi_before = Σ p_i (F_i(x_t) − F)², the global model's losses (loss_before), Eq. 7 at x_t;
-  psi_noisy  = the same over the clients' noisy loss releases F̃_i (DP runs; post-processing, so always private);
-with p_i = n_i / Σ n over the round's clients and F the p-weighted mean of the same losses. A form whose losses were
-withheld (DP training without privacy.plaintext_telemetry) or not released by any client is left out, not NaN.
+Ψ telemetry (psi, psi_before, psi_noisy: fairfl.metrics.fairness.psi_telemetry) is the engine's, for every strategy;
+FedFair's own non-DP `psi` replaces the telemetry form: Eq. 7, Σ p_i (F_i(w_{t+1}^i) − F)² around the F it keeps.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fairfl.fold import ResultFold, sample_weighted
-from fairfl.metrics.fairness import psi, weight_entropy
+from fairfl.metrics.fairness import psi, weight_entropy_metrics
 from fairfl.protocol import TRAIN, ClientResult
 from fairfl.strategy import (
     AggregateOutcome,
@@ -36,18 +32,6 @@ from fairfl.strategy import (
     train_phase,
 )
 from fairfl.v1 import federation_pb2
-
-
-def loss_metrics(results: Sequence[ClientResult], weights: Sequence[float] | None = None) -> dict[str, float]:
-    """Ψ over the round's clients (sample-weighted, see the module docstring) and, if given, the weights' entropy."""
-    metrics = {}
-    for key, field_name in (("psi", "loss_after"), ("psi_before", "loss_before"), ("psi_noisy", "noisy_loss")):
-        reported = [(getattr(r, field_name), r.num_samples) for r in results if math.isfinite(getattr(r, field_name))]
-        if reported:  # over the clients that reported this loss, p renormalised among them
-            metrics[key] = psi([v for v, _ in reported], [n for _, n in reported])
-    if weights is not None and sum(weights) > 0:
-        metrics["weight_entropy"] = weight_entropy(weights)
-    return metrics
 
 
 def require_finite(path: str, **values: float) -> None:
@@ -106,10 +90,10 @@ class FedFair(Strategy):
         delta = fold.sum.weighted_mean()
         by_client = fold.weights_by_client()
         weights = [by_client[r.client_id] for r in results]
-        metrics = loss_metrics(results, weights)
+        metrics = weight_entropy_metrics(weights)
         if ctx.train_config.HasField("dp"):
             # FedFDP Alg. 2 line 8: F(w_{t+1}) = Σ p_i F̃_i, the clients' noisy losses (post-processing of DP
-            # releases, so it may be broadcast). Ψ stays the telemetry form (loss_after around its own mean).
+            # releases, so it may be broadcast). Ψ stays the engine's telemetry form (loss_after around its own mean).
             released = [(w, r.noisy_loss) for w, r in zip(weights, results, strict=True) if math.isfinite(r.noisy_loss)]
             if released:  # a client that released no loss is left out, p renormalised over the others
                 mass = math.fsum(w for w, _ in released)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from aggregator_service.strategies.fedfair import require_finite
+from fairfl.metrics.fairness import weight_entropy_metrics
 from fairfl.protocol import UPDATE, ClientResult
 from fairfl.strategy import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 
@@ -101,7 +102,7 @@ def min_norm_weights(gram: np.ndarray, epsilon: float) -> tuple[np.ndarray, int]
 
 class FedMGDAPlus(Strategy):
     name = "fedmgda_plus"
-    reads_client_losses = False  # only as Ψ telemetry (loss_metrics)
+    reads_client_losses = False  # F_i feed only the engine's Ψ telemetry (training.loss_telemetry)
     Params = FedMGDAParams
 
     def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
@@ -120,7 +121,7 @@ class FedMGDAPlus(Strategy):
         # Σ λ_i d_i = Σ (λ_i / ‖Δ_i‖) Δ_i: fold the raw updates, no normalised copies.
         step = weighted_sum(updates, (lam * inv).tolist())
         weights = lam.tolist()
-        metrics = loss_metrics(results, weights)
+        metrics = weight_entropy_metrics(weights)
         metrics["direction_norm"] = math.sqrt(max(float(lam @ gram @ lam), 0.0))
         metrics["qp_iterations"] = float(iterations)
         return AggregateOutcome(

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aggregator_service.strategies.fedavg import FedAvg, FedAvgParams
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from aggregator_service.strategies.fedfair import require_finite
 from fairfl.protocol import TRAIN, ClientResult
-from fairfl.strategy import AggregateOutcome, PhasePlan, RoundContext, train_results
+from fairfl.strategy import PhasePlan, RoundContext
 from fairfl.v1 import federation_pb2
 
 
@@ -39,8 +39,3 @@ class FedProx(FedAvg):
         cfg.CopyFrom(ctx.train_config)
         cfg.prox_mu = self.params.mu  # overrides training.prox_mu: the strategy owns μ
         return PhasePlan(phase=TRAIN, train=cfg)
-
-    def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
-        outcome = super().aggregate(ctx, phases)
-        outcome.metrics.update(loss_metrics(train_results(phases), list(outcome.weights.values())))
-        return outcome

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from aggregator_service.strategies.fedfair import require_finite
+from fairfl.metrics.fairness import weight_entropy_metrics
 from fairfl.protocol import UPDATE, ClientResult
 from fairfl.strategy import AggregateOutcome, RoundContext, Strategy, train_results, weighted_sum
 
@@ -85,7 +86,7 @@ class QFFL(Strategy):
         sq_norms = np.array([float(torch.dot(u.double(), u.double())) for u in updates], dtype=np.float64)
         coefs = qffl_coefficients(losses, sq_norms, self.params.q, lipschitz).tolist()
         step = weighted_sum(updates, coefs)
-        metrics = loss_metrics(results, coefs)
+        metrics = weight_entropy_metrics(coefs)
         metrics["step_scale"] = math.fsum(coefs)
         metrics["lipschitz"] = lipschitz
         return AggregateOutcome(

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aggregator_service.strategies.fedfair import loss_metrics, require_finite
+from aggregator_service.strategies.fedfair import require_finite
 from fairfl.fold import ResultFold, softmax_weighted
+from fairfl.metrics.fairness import weight_entropy_metrics
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
 from fairfl.strategy import (
     AggregateOutcome,
@@ -54,5 +55,5 @@ class TERM(Strategy):
         return AggregateOutcome(
             params=ctx.params + self.server_lr * fold.sum.weighted_mean(),
             weights=by_client,
-            metrics=loss_metrics(results, weights),
+            metrics=weight_entropy_metrics(weights),
         )

@@ -13,9 +13,11 @@ from fairfl.metrics.fairness import (
     nmi,
     pooled_accuracy,
     psi,
+    psi_telemetry,
     std,
     variance,
     weight_entropy,
+    weight_entropy_metrics,
     worst_fraction,
 )
 
@@ -32,8 +34,10 @@ __all__ = [
     "nmi",
     "pooled_accuracy",
     "psi",
+    "psi_telemetry",
     "std",
     "variance",
     "weight_entropy",
+    "weight_entropy_metrics",
     "worst_fraction",
 ]

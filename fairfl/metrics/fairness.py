@@ -2,6 +2,8 @@
 
 Definitions follow shared/specs: seed-fedeba.md §5 (variance, worst/best 5%, C_v, angle, KL), seed-fedfdp.md §5 (Ψ)
 and seed-equitable.md §5 (client disagreement, NMI). Accuracies are in percent unless stated otherwise.
+`psi_telemetry` and `weight_entropy_metrics` are the per-round strategy metrics (RoundEvent.strategy_metrics) built
+from them: the engine reports the first for every strategy, each strategy the second for its own weights.
 
 Conventions for degenerate inputs, chosen so that "all clients equal" always reads as perfectly fair:
 - Jain's index of an all-equal vector is 1.0, including the all-zero vector (where the formula is 0/0).
@@ -14,8 +16,9 @@ Empty or non-finite inputs raise ValueError naming the metric; degenerate output
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -34,9 +37,11 @@ __all__ = [
     "nmi",
     "pooled_accuracy",
     "psi",
+    "psi_telemetry",
     "std",
     "variance",
     "weight_entropy",
+    "weight_entropy_metrics",
     "worst_fraction",
 ]
 
@@ -193,6 +198,46 @@ def weight_entropy(weights: ArrayLike) -> float:
     p = _distribution(weights, "weight_entropy")
     nz = p[p > 0]
     return float(-(nz @ np.log(nz)))
+
+
+class ReportsLosses(Protocol):
+    """What `psi_telemetry` reads of a client's training result (fairfl.protocol.ClientResult has it); NaN = not
+    reported."""
+
+    num_samples: int
+    loss_before: float
+    loss_after: float
+    noisy_loss: float
+
+
+# The Ψ telemetry forms (seed-fedfdp.md §9.13 asks for both the local and the global models' forms): metric name and
+# the ClientResult loss it is taken over.
+PSI_FORMS = (("psi", "loss_after"), ("psi_before", "loss_before"), ("psi_noisy", "noisy_loss"))
+
+
+def psi_telemetry(results: Iterable[ReportsLosses]) -> dict[str, float]:
+    """Ψ of a round's training results, the telemetry the engine reports for every strategy:
+      psi        = Σ p_i (F_i(x_{t,K}^i) − F)², the local models' losses (loss_after), the paper tables' Ψ;
+      psi_before = Σ p_i (F_i(x_t) − F)², the global model's losses (loss_before), Eq. 7 at x_t;
+      psi_noisy  = the same over the clients' noisy loss releases F̃_i (DP runs; post-processing, so always private);
+    with p_i = n_i / Σ n over the clients that reported that loss (renormalised among them) and F the p-weighted mean
+    of the same losses. A form no client reported (losses not measured, or withheld under DP-SGD without
+    privacy.plaintext_telemetry) is left out, not NaN.
+    """
+    results = list(results)
+    metrics = {}
+    for key, field_name in PSI_FORMS:
+        pairs = [(getattr(r, field_name), r.num_samples) for r in results]
+        reported = [(loss, n) for loss, n in pairs if math.isfinite(loss)]
+        if reported:
+            metrics[key] = psi([v for v, _ in reported], [n for _, n in reported])
+    return metrics
+
+
+def weight_entropy_metrics(weights: Sequence[float]) -> dict[str, float]:
+    """{"weight_entropy": H(p)} of a strategy's aggregation weights this round; empty when they sum to 0 (no weight
+    went anywhere, e.g. q-FFL with every loss 0)."""
+    return {"weight_entropy": weight_entropy(weights)} if sum(weights) > 0 else {}
 
 
 def kl_to_uniform(values: ArrayLike) -> float:

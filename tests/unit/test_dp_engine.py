@@ -22,6 +22,7 @@ from fairfl.compose.inprocess import InProcessTransport
 from fairfl.compose.local_privacy import LocalPrivacy
 from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ConfigError, experiment_from_dict, load_experiment
+from fairfl.metrics.fairness import psi, psi_telemetry
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
 from fairfl.strategy import RoundContext
 from fairfl.v1 import control_pb2, federation_pb2
@@ -319,6 +320,23 @@ def test_client_level_aggregation_clips_updates_and_adds_calibrated_noise() -> N
     assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
 
 
+def test_client_level_rounds_report_no_psi_even_with_loss_telemetry() -> None:
+    """Only the noisy model leaves a client-level DP round: the engine's Ψ telemetry stays out of it too."""
+    config = experiment_from_dict(
+        dp_config(
+            **{
+                "privacy.principal": "federation",
+                "strategy.name": "fedavg",
+                "privacy.epsilon": 50.0,
+                "training.loss_telemetry": True,
+            }
+        )
+    )
+    summary, rounds, _ = run_inprocess(config)
+    assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
+    assert rounds and all(not r.strategy_metrics for r in rounds)
+
+
 # --- presets ----------------------------------------------------------------------------------------------------------
 
 
@@ -369,7 +387,10 @@ def test_fedfdp_global_loss_is_the_weighted_noisy_loss() -> None:
     out = strategy.aggregate(ctx, [results])
     # p = (0.1, 0.3, 0.6); client 2 released nothing: F = (0.1·1 + 0.3·2) / 0.4
     assert out.metrics["global_loss"] == pytest.approx(0.7 / 0.4) == strategy.global_loss
-    assert "psi" in out.metrics and "psi_noisy" in out.metrics
+    assert not {"psi", "psi_before", "psi_noisy"} & set(out.metrics)  # under DP, Ψ is all the engine's telemetry
+    telemetry = psi_telemetry(results)
+    assert telemetry["psi"] == pytest.approx(psi([0.5, 1.5, 2.5], [10, 30, 60]))
+    assert telemetry["psi_noisy"] == pytest.approx(psi([1.0, 2.0], [10, 30]))  # over the two releases
     bad = ClientResult("t", "r", 1, 0, TRAIN, 10, loss_before=1.0, loss_after=1.0, noisy_loss=math.inf)
     bad.payloads[UPDATE] = torch.ones(3)
     with pytest.raises(CodecError, match="noisy_loss must be finite"):

@@ -169,11 +169,11 @@ def test_presets_follow_the_papers_mnist_setup() -> None:
     assert (cfg.model.name, cfg.model.params) == ("mlp", {"hidden": [200, 200]})
     assert (cfg.strategy.name, cfg.strategy.params) == ("equitable", {"num_clusters": 2, "mu": 0.01})
     spec = load_comparison(here / "fmnist.compare.yaml")
-    assert spec.target_accuracy == 75.0
+    assert spec.target_accuracy == 75.0 and spec.overrides == {"rounds": 250}  # the paper's length
     runs = {r.label: (spec.experiment(r, r.seeds[0]).strategy.name, r.seeds) for r in spec.runs}
     assert runs == {
-        "Equitable-FL": ("equitable", [0, 1, 2]),
-        "FedProx": ("fedprox", [0, 1, 2]),
+        "Equitable-FL": ("equitable", [0, 1, 2, 3, 4]),
+        "FedProx": ("fedprox", [0, 1, 2, 3, 4]),
         "FedProx + Cluster2": ("cluster2", [0]),
         "FedProx + FairFed": ("fairfed", [0]),
     }

@@ -130,9 +130,12 @@ def test_hicsfl_presets_and_comparison_load_and_evaluate_every_round() -> None:
     assert spec.target_accuracy == 75
     runs = {run.label: run for run in spec.runs}
     methods = {label: spec.experiment(run, run.seeds[0]).selection.method for label, run in runs.items()}
-    assert sorted(methods.values()) == ["clustered_sampling", "hics", "power_of_choice", "random"]
-    seeds = {methods[label]: run.seeds for label, run in runs.items()}
-    assert seeds == {"hics": [0, 1, 2], "random": [0, 1, 2], "power_of_choice": [0], "clustered_sampling": [0]}
+    assert sorted(methods.values()) == ["clustered_sampling", "hics", "power_of_choice", "power_of_choice", "random"]
+    assert all(run.seeds == [0, 1, 2, 3, 4] for run in spec.runs)  # five seeds each, pairing over partitions
+    candidates = {
+        spec.experiment(run, 0).selection.params.get("candidates") for run in spec.runs if "Power" in run.label
+    }
+    assert candidates == {None, 10}  # d = N (the HiCS-FL paper's) and d = 2K (the pow-d paper's)
 
 
 # --- engine -----------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from fairfl.compose.local_selection import LocalSelector
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
 from fairfl.data import FederatedData, load_run_data
 from fairfl.data.datasets import ArrayDataset, DatasetNotFoundError, load_dataset
+from fairfl.metrics.fairness import psi_telemetry
 from fairfl.protocol import TRAIN, UPDATE, ClientResult
 from fairfl.strategy import STRATEGIES, AggregateOutcome, RoundContext, Strategy, build_strategy
 from fairfl.v1 import control_pb2, federation_pb2, tensor_pb2
@@ -140,7 +141,7 @@ def test_fedprox_sets_prox_mu_and_aggregates_like_fedavg() -> None:
     want = aggregate(strategy("fedavg"), ctx, THREE)
     assert torch.equal(got.params, want.params)
     assert got.weights == want.weights
-    assert {"psi", "psi_before", "weight_entropy"} <= set(got.metrics)
+    assert got.metrics == want.metrics and set(got.metrics) == {"weight_entropy"}  # Ψ is the engine's telemetry
 
 
 # --- FedFair --------------------------------------------------------------------------------------------------------
@@ -162,11 +163,13 @@ def test_fedfair_broadcasts_global_loss_and_reports_psi() -> None:
     psi = sum(pi * (fi - big_f) ** 2 for pi, fi in zip(p, f_after, strict=True))
     assert psi == pytest.approx(0.1 * 0.96**2 + 0.3 * 0.36**2 + 0.6 * 0.34**2)
     assert out.metrics["global_loss"] == pytest.approx(big_f, abs=1e-12)
-    assert out.metrics["psi"] == pytest.approx(psi, abs=1e-12)
+    assert out.metrics["psi"] == pytest.approx(psi, abs=1e-12)  # FedFair's own Eq. 7, which the engine keeps
+    # psi_before is the engine's telemetry (fairfl.metrics.fairness.psi_telemetry), no longer the strategy's.
+    assert "psi_before" not in out.metrics
     f_before = [0.4, 1.2, 2.5]
     mean_before = sum(pi * fi for pi, fi in zip(p, f_before, strict=True))
     psi_before = sum(pi * (fi - mean_before) ** 2 for pi, fi in zip(p, f_before, strict=True))
-    assert out.metrics["psi_before"] == pytest.approx(psi_before, abs=1e-12)
+    assert psi_telemetry(THREE)["psi_before"] == pytest.approx(psi_before, abs=1e-12)
     assert out.weights == pytest.approx({0: 0.1, 1: 0.3, 2: 0.6})
     assert torch.equal(out.params, aggregate(strategy("fedavg"), ctx, THREE).params)
     # The next round broadcasts the new F, and the state survives a checkpoint.

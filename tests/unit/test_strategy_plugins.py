@@ -93,6 +93,15 @@ class NoDp(TrimmedMean):
     client_procedure = None  # privacy_principals stays empty: no DP procedure
 
 
+class OwnPsi(TrimmedMean):
+    """Reports a metric named psi itself: it wins over the engine's Ψ telemetry of the same name."""
+
+    def aggregate(self, ctx: RoundContext, phases: Sequence[list[ClientResult]]) -> AggregateOutcome:
+        outcome = super().aggregate(ctx, phases)
+        outcome.metrics["psi"] = -1.0
+        return outcome
+
+
 class NeedsFullSelection(NoDp):
     required_selection = "full"
 
@@ -170,6 +179,23 @@ def test_user_strategy_by_module_attr_runs_rounds_with_its_client_procedure() ->
         assert metrics["trimmed"] == 1.0
         # The procedure ran on every client: the strategy read what its finish() added to each result.
         assert metrics["mean_update_norm"] > 0 and math.isfinite(metrics["mean_update_norm"])
+
+
+def test_the_engine_reports_psi_for_a_user_strategy_when_the_losses_are_measured() -> None:
+    """Ψ telemetry is the engine's: a user strategy gets it without code, once training.loss_telemetry measures F_i
+    (TrimmedMean reads none, so its clients skip the loss passes otherwise)."""
+    _, plain = run(config({"name": ref(TrimmedMean)}))
+    assert all(not {"psi", "psi_before", "psi_noisy"} & {m.name for m in e.strategy_metrics} for e in plain)
+    summary, measured = run(config({"name": ref(TrimmedMean)}, training={"loss_telemetry": True}))
+    assert summary.state == control_pb2.RUN_STATE_COMPLETED, summary.message
+    for event in measured:
+        metrics = {m.name: m.value for m in event.strategy_metrics}
+        assert metrics["psi"] > 0 and metrics["psi_before"] > 0 and metrics["trimmed"] == 1.0
+    _, own = run(config({"name": ref(OwnPsi)}, training={"loss_telemetry": True}))
+    for event in own:
+        names = [m.name for m in event.strategy_metrics]
+        assert names.count("psi") == 1 and "psi_before" in names
+        assert {m.name: m.value for m in event.strategy_metrics}["psi"] == -1.0
 
 
 def test_the_base_configure_attaches_the_client_procedure_with_its_params() -> None:
