@@ -1,4 +1,5 @@
-"""Which code produced a result: the git commit of the fairfl checkout that ran, for result files to record."""
+"""Which code produced a result, where and when: the git commit of the fairfl checkout that ran, the machine and the
+start time, for result files to record."""
 
 from __future__ import annotations
 
@@ -7,17 +8,23 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Result folders live in the tree (docs/results, runs/): writing them does not make the code that ran differ.
-_NOT_CODE = (":(exclude)docs", ":(exclude)runs")
+# What running writes into the tree (result folders, the claims index, runs/) and prose (docs' Markdown) does not make
+# the code that ran differ; everything else does, untracked files included (a new module, a changed manifest).
+_NOT_CODE = (
+    ":(exclude,glob)docs/results/*/**",
+    ":(exclude)docs/results/claims.md",
+    ":(exclude,glob)docs/**/*.md",
+    ":(exclude)runs",
+)
 
 
 def source_revision() -> dict[str, Any] | None:
-    """{"commit": sha, "dirty": bool} of the checkout this fairfl runs from (dirty: uncommitted changes to tracked
-    files outside docs/ and runs/); None outside a git checkout, e.g. an installed package."""
+    """{"commit": sha, "dirty": bool} of the checkout this fairfl runs from (dirty: uncommitted or untracked files other
+    than result folders, runs/ and docs' Markdown); None outside a git checkout, e.g. an installed package."""
     try:
         if Path(_git("rev-parse", "--show-toplevel")).resolve() != REPO_ROOT:
             return None
-        changes = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *_NOT_CODE)
+        changes = _git("status", "--porcelain", "--untracked-files=normal", "--", ".", *_NOT_CODE)
         return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(changes)}
     except (OSError, subprocess.SubprocessError):
         return None
@@ -28,6 +35,40 @@ def revision_text(revision: dict[str, Any] | None) -> str:
     if revision is None:
         return "unknown"
     return revision["commit"] + ("+dirty" if revision.get("dirty") else "")
+
+
+def run_provenance(started: float) -> dict[str, Any]:
+    """What a result folder records of the run that wrote it: the code's commit, the machine and when it started."""
+    import time
+
+    from fairfl.cores import usable_cores
+
+    return {
+        "revision": revision_text(source_revision()),
+        "machine": machine_description(),
+        "usable_cores": usable_cores(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+    }
+
+
+def machine_description() -> dict[str, Any]:
+    """Platform, CPU count, Python, torch and the GPU, if any (informational: never fails)."""
+    import os
+    import platform
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # the header is informational only
+        pass
+    return info
 
 
 def _git(*args: str) -> str:

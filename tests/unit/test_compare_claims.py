@@ -73,7 +73,7 @@ def test_claims_load_with_defaults_and_a_statement(tmp_path: Path) -> None:
         ({"metric": "accuracy"}, "claims[0].metric: unknown metric 'accuracy'; valid metrics: mean, "),
         ({"metric": "rounds_to_target"}, "claims[0].metric: rounds_to_target needs target_accuracy"),
         ({"is": "smaller"}, "claims[0].is: expected one of lower, higher, got 'smaller'"),
-        ({"alpha": 1.5}, "claims[0].alpha: expected a significance level in (0, 1)"),
+        ({"alpha": 0.5}, "claims[0].alpha: expected a significance level in (0, 0.5)"),
         ({"margin": "half"}, "claims[0].margin: expected a finite number, got 'half'"),
         ({"because": "x"}, "claims[0]: unknown field 'because'; valid fields: claim, run, metric, is, than"),
         ({"claim": ""}, "claims[0].claim: expected the claim in words, got ''"),
@@ -118,9 +118,11 @@ def test_paired_claim_matches_scipys_paired_t_test_and_holds() -> None:
     assert result.held and result.verdict.startswith("held: p = ")
     assert result.agreeing_seeds == 5
     diffs = [a - b for a, b in zip(fair, fedavg, strict=True)]
-    lo, hi = stats.t.interval(0.95, 4, loc=sum(diffs) / 5, scale=stats.sem(diffs))
+    # The 1 − 2·alpha two-sided interval: its upper end is the one-sided 95% bound the test rejects against.
+    lo, hi = stats.t.interval(0.90, 4, loc=sum(diffs) / 5, scale=stats.sem(diffs))
     assert result.difference == pytest.approx(sum(diffs) / 5)
     assert result.ci == pytest.approx((lo, hi))
+    assert hi == pytest.approx(expected.confidence_interval(0.95).high)
 
 
 def test_a_gap_inside_the_noise_is_not_held_and_says_so() -> None:
@@ -151,7 +153,7 @@ def test_seeds_on_different_partitions_use_welchs_test() -> None:
     expected = stats.ttest_ind(fair, fedavg, equal_var=False, alternative="less")
     assert result.test == "Welch t-test" and result.n == 3 and result.agreeing_seeds is None
     assert result.p_value == pytest.approx(expected.pvalue, rel=1e-9)
-    two_sided = stats.ttest_ind(fair, fedavg, equal_var=False).confidence_interval(0.95)
+    two_sided = stats.ttest_ind(fair, fedavg, equal_var=False).confidence_interval(0.90)
     assert result.ci == pytest.approx((two_sided.low, two_sided.high))
     assert result.difference == pytest.approx(sum(fair) / 5 - sum(fedavg) / 3)
 
@@ -161,9 +163,58 @@ def test_one_seed_per_side_is_not_testable() -> None:
     assert not result.held and result.p_value is None and "not testable" in result.verdict
 
 
-def test_identical_differences_hold_by_their_sign() -> None:
-    result = evaluate_claim(CLAIM, runs_of([40.0, 50.0, 60.0], [41.0, 51.0, 61.0]), lambda s: True)
-    assert result.held and result.p_value == 0.0 and result.ci == pytest.approx((-1.0, -1.0))
+def test_identical_differences_fall_back_to_the_exact_sign_test() -> None:
+    # No spread over seeds: a t statistic would be infinite; the sign test gives 0.5^n when every seed agrees.
+    five = evaluate_claim(
+        CLAIM, runs_of([40.0, 50.0, 60.0, 70.0, 80.0], [41.0, 51.0, 61.0, 71.0, 81.0]), lambda s: True
+    )
+    assert (five.test, five.held, five.p_value, five.agreeing_seeds) == ("sign test", True, 0.5**5, 5)
+    assert five.ci == pytest.approx((-1.0, -1.0))
+    three = evaluate_claim(CLAIM, runs_of([40.0, 50.0, 60.0], [41.0, 51.0, 61.0]), lambda s: True)
+    assert (three.held, three.p_value) == (False, 0.125)  # 3 seeds cannot show it at 0.05
+    same = evaluate_claim(CLAIM, runs_of([40.0, 50.0, 60.0], [40.0, 50.0, 60.0]), lambda s: True)
+    assert not same.held and "no difference beyond the margin" in same.verdict
+
+
+def test_held_exactly_when_the_interval_clears_the_margin_on_the_claimed_side() -> None:
+    import random
+
+    rng = random.Random(7)
+    for trial in range(200):
+        fair = [rng.gauss(50, 5) for _ in range(5)]
+        fedavg = [v + rng.gauss(-2.5, 4) for v in fair]
+        direction, margin = rng.choice(["lower", "higher"]), rng.choice([0.0, -1.0, 1.0])
+        claim = Claim("c", "Fair", "variance", direction, "FedAvg", margin)
+        for paired in (True, False):
+            r = evaluate_claim(claim, runs_of(fair, fedavg), lambda s, paired=paired: paired)
+            beyond = r.ci[1] < margin if direction == "lower" else r.ci[0] > margin
+            assert r.held == beyond, (trial, paired, r)
+
+
+def test_welch_higher_matches_scipy() -> None:
+    claim = Claim("fairer", "Fair", "variance", "higher", "FedAvg")
+    fair, fedavg = [61.0, 70.0, 58.0, 66.0], [40.0, 52.0, 47.0, 44.0, 50.0]
+    result = evaluate_claim(claim, runs_of(fair, fedavg), lambda s: False)
+    assert result.p_value == pytest.approx(stats.ttest_ind(fair, fedavg, equal_var=False, alternative="greater").pvalue)
+    assert result.held
+
+
+def test_missing_seeds_make_a_claim_incomplete_never_held() -> None:
+    fair, fedavg = [40.0, 52.0, 47.0, 44.0, 50.0], [61.0, 70.0, 58.0, 66.0, 72.0]
+    result = evaluate_claim(CLAIM, runs_of(fair, fedavg), lambda s: True, {"Fair": 6, "FedAvg": 5})
+    assert not result.held and result.verdict.startswith("incomplete (Fair has 5 of 6 seeds): held: p = ")
+    complete = evaluate_claim(CLAIM, runs_of(fair, fedavg), lambda s: True, {"Fair": 5, "FedAvg": 5})
+    assert complete.held
+
+
+def test_a_faster_side_that_never_reached_the_target_is_not_held() -> None:
+    # Counting the claimed-faster run's misses at final round + 1 would flatter the claim: refused.
+    claim = Claim("faster", "Fair", "rounds_to_target", "lower", "FedAvg")
+    runs = [seed("Fair", i, 0.0, rounds_to_target=None) for i in range(5)]
+    runs += [seed("FedAvg", i, 0.0, rounds_to_target=r) for i, r in enumerate([150.0, 160.0, 170.0, 180.0, 190.0])]
+    result = evaluate_claim(claim, runs, lambda s: True)
+    assert not result.held and result.p_value is None
+    assert "Fair never reached the target in 5 of 5 seeds" in result.verdict
 
 
 def test_rounds_to_target_counts_a_seed_that_never_reached_it_at_final_round_plus_one() -> None:
@@ -208,6 +259,7 @@ def test_report_lists_each_claim_held_or_not_with_its_test(tmp_path: Path) -> No
     assert "- FedAvg is fairer: not held: the difference points the other way" in table
     md = (tmp_path / "out" / "comparison.md").read_text()
     assert "## Claims" in md and "| Fair is fairer | `Fair variance < FedAvg variance` | paired t-test (5) |" in md
+    assert "without a correction for testing several" in md
     assert "| vs other data | `Fair variance < FedAvg other data variance` | Welch t-test (5) |" in md
     assert "95% confidence intervals of the mean over seeds" in md
     report = json.loads((tmp_path / "out" / "comparison.json").read_text())

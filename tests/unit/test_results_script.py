@@ -83,6 +83,8 @@ def test_the_committed_manifest_loads_and_every_comparison_tests_claims(monkeypa
         ([{"name": "x"}], "give exactly one of compare"),
         ([{"name": "x", "compare": "tiny.compare.yaml", "when": 1}], "unknown field 'when'"),
         ([{"name": "a/b", "compare": "tiny.compare.yaml"}], "[0].name: expected a unique folder name"),
+        ([{"name": "..", "compare": "tiny.compare.yaml"}], "[0].name: expected a unique folder name"),
+        ([{"name": ".", "compare": "tiny.compare.yaml"}], "[0].name: expected a unique folder name"),
         (
             [{"name": "x", "compare": "tiny.compare.yaml"}, {"name": "x", "compare": "tiny.compare.yaml"}],
             "[1].name: expected a unique folder name",
@@ -138,26 +140,41 @@ def test_index_lists_each_claim_with_its_verdict_and_commit(tmp_path: Path, monk
     )
     out = tmp_path / "docs" / "results" / "cmp"
     out.mkdir(parents=True)
-    claim = {"claim": "A is fairer", "held": False, "test": "paired t-test", "n": 5, "difference": -1.5,
-             "ci95": [-4.0, 1.0], "p_value": 0.12}  # fmt: skip
-    report = {"claims": [claim], "runs": [{"revision": "0123456789abcdef"}, {"revision": "0123456789abcdef+dirty"}]}
+    from fairfl.compose.compare.claims import Claim, ClaimResult
+
+    claim = Claim("A is fairer", "A", "variance", "lower", "B")
+    tested = ClaimResult(claim, False, "not held: the difference points the claimed way but is within the noise "
+                         "(p = 0.12 ≥ 0.05)", "paired t-test", 5, -1.5, (-4.0, 1.0), 0.12, 4)  # fmt: skip
+    report = {
+        "claims": [tested.as_dict()],
+        "runs": [{"revision": "0123456789abcdef"}, {"revision": "0123456789abcdef+dirty"}],
+    }
     (out / "comparison.json").write_text(json.dumps(report))
     index = results.render_index(entries)
     row = (
-        "| [cmp](cmp/comparison.md) | A is fairer | paired t-test (5) | -1.5 [-4, 1] | 0.1200 | **not held** | "
-        "0123456789, 0123456789+dirty |"
+        "| [cmp](cmp/comparison.md) | A is fairer | `A variance < B variance` | paired t-test (5) | "
+        "-1.5 [-4, 1] (90%) | 0.1200 | 4/5 | **not held**: the difference points the claimed way but is within the "
+        "noise (p = 0.12 ≥ 0.05) | 0123456789, 0123456789+dirty |"
     )
     assert row in index.splitlines()
     assert "none" not in index  # no report yet: no rows
 
 
 def test_uncommitted_code_is_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(REPO)  # main() moves to the repository; restored after the test
     monkeypatch.setattr(results, "source_revision", lambda: {"commit": "abc", "dirty": True})
     monkeypatch.setattr(results, "run_entry", lambda entry: pytest.fail("ran despite uncommitted changes"))
     assert results.main(["--only", "hicsfl-fmnist-setting2"]) == 2
     assert "uncommitted changes outside docs/ and runs/" in capsys.readouterr().err
 
 
-def test_unknown_only_name_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_only_name_is_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(REPO)
     assert results.main(["--only", "nope"]) == 2
     assert "--only: unknown entry 'nope'; entries: hicsfl-fmnist-setting2" in capsys.readouterr().err
+
+
+def test_a_child_killed_by_a_signal_is_a_failure_not_success() -> None:
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert results._call([sys.executable, "-c", kill]) == 137  # 128 + 9, as a shell reports it
+    assert results._call([sys.executable, "-c", "raise SystemExit(3)"]) == 3

@@ -17,10 +17,14 @@ A claim names a run, a metric, a direction and a baseline run, and optionally a 
 
 With d = run − baseline − margin per seed, "lower" is the one-sided alternative mean(d) < 0 ("higher": > 0). The test is
 a paired t-test over the seeds both runs have when those seeds share their data partition (same seed, same `data`
-config), else Welch's t-test over each run's own seeds. A claim holds when p < alpha (default 0.05). The report gives
-the mean difference run − baseline with its 95% confidence interval, p, and, for paired tests, how many seeds point the
-claimed way. A run that never reached the target accuracy counts as its final round + 1 for `rounds_to_target`: the
-least it could have taken, which favours it, and the report says how many seeds were so censored.
+config), else Welch's t-test over each run's own seeds; when every seed gives the same difference there is no spread
+to test against and the exact sign test decides (0.5^n). A claim holds when p < alpha (default 0.05) and every seed
+the comparison planned for both runs has a value (else it is incomplete). The report gives the mean difference
+run − baseline with its two-sided 1 − 2·alpha interval (90% at alpha 0.05: its end on the claimed side is the test's
+bound, so the claim holds exactly when that end lies beyond the margin), p, and for paired tests how many seeds point
+the claimed way. For `rounds_to_target` a seed that never reached the target counts as its final round + 1: the
+fewest rounds it could have taken, which is fair to the side the claim calls slower; a claim whose faster side has
+such seeds is not held (its rounds are unknown there).
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ class Claim:
     margin: float = 0.0
     alpha: float = DEFAULT_ALPHA
 
+    @property
+    def ci_level(self) -> float:
+        """The two-sided interval whose end on the claimed side is the one-sided test's bound: 1 − 2·alpha (90% at
+        alpha 0.05), so the claim holds exactly when that end lies beyond the margin."""
+        return 1 - 2 * self.alpha
+
     def statement(self) -> str:
         """The claim as a formula, e.g. `FedEBA+ variance < FedAvg variance − 0.5`."""
         sign = "<" if self.direction == "lower" else ">"
@@ -71,7 +81,7 @@ class ClaimResult:
     test: str  # "paired t-test", "Welch t-test" or "" when untestable
     n: int  # paired: common seeds; Welch: the smaller side
     difference: float | None  # mean of run − baseline (without the margin)
-    ci: tuple[float, float] | None  # CI_LEVEL interval of that difference
+    ci: tuple[float, float] | None  # the claim's ci_level interval of that difference
     p_value: float | None
     agreeing_seeds: int | None = None  # paired: seeds whose difference points the claimed way
     censored: int = 0  # seeds counted at final round + 1 (rounds_to_target only)
@@ -92,7 +102,8 @@ class ClaimResult:
             "test": self.test,
             "n": self.n,
             "difference": self.difference,
-            "ci95": list(self.ci) if self.ci else None,
+            "ci": list(self.ci) if self.ci else None,
+            "ci_level": c.ci_level,
             "p_value": self.p_value,
             "agreeing_seeds": self.agreeing_seeds,
             "censored_seeds": self.censored,
@@ -131,8 +142,8 @@ def _claim(raw: Any, path: str, labels: Sequence[str], target_accuracy: float | 
         raise ConfigError(f"{path}.is: expected one of {', '.join(DIRECTIONS)}, got {raw['is']!r}")
     margin = _finite(raw.get("margin", 0.0), f"{path}.margin")
     alpha = _finite(raw.get("alpha", DEFAULT_ALPHA), f"{path}.alpha")
-    if not 0 < alpha < 1:
-        raise ConfigError(f"{path}.alpha: expected a significance level in (0, 1), e.g. 0.05, got {alpha!r}")
+    if not 0 < alpha < 0.5:
+        raise ConfigError(f"{path}.alpha: expected a significance level in (0, 0.5), e.g. 0.05, got {alpha!r}")
     text = raw.get("claim")
     if text is not None and (not isinstance(text, str) or not text.strip()):
         raise ConfigError(f"{path}.claim: expected the claim in words, got {text!r}")
@@ -161,16 +172,58 @@ def seed_value(run: SeedSummary, metric: str) -> tuple[float | None, bool]:
     return float(value), False
 
 
-def evaluate_claim(claim: Claim, runs: Sequence[SeedSummary], shares_partition: Callable[[int], bool]) -> ClaimResult:
-    """Test one claim over the finished runs; `shares_partition(seed)` says whether both runs' seed `seed` trained on
-    the same data partition (then the seeds pair up)."""
+def evaluate_claim(
+    claim: Claim,
+    runs: Sequence[SeedSummary],
+    shares_partition: Callable[[int], bool],
+    planned: dict[str, int] | None = None,
+) -> ClaimResult:
+    """Test one claim over the finished runs. `shares_partition(seed)`: whether both runs' seed `seed` trained on the
+    same data partition (then the seeds pair up). `planned`: seeds each run label should have; with fewer, the claim
+    is not held yet (incomplete), whatever the partial test says."""
     mine = _values(claim.run, claim.metric, runs)
     theirs = _values(claim.than, claim.metric, runs)
+    result = _censoring_refusal(claim, mine, theirs) or _test(claim, mine, theirs, shares_partition)
+    missing = [
+        f"{label} has {len(values)} of {planned[label]} seeds"
+        for label, values in ((claim.run, mine), (claim.than, theirs))
+        if planned and len(values) < planned.get(label, 0)
+    ]
+    if missing and result.held:
+        result = dataclasses.replace(result, held=False, verdict=f"incomplete ({'; '.join(missing)}): {result.verdict}")
+    elif missing:
+        result = dataclasses.replace(result, verdict=f"{result.verdict}; incomplete ({'; '.join(missing)})")
+    return result
+
+
+def _test(
+    claim: Claim,
+    mine: dict[int, tuple[float, bool]],
+    theirs: dict[int, tuple[float, bool]],
+    shares_partition: Callable[[int], bool],
+) -> ClaimResult:
     censored = sum(c for _, c in mine.values()) + sum(c for _, c in theirs.values())
     common = sorted(set(mine) & set(theirs))
     if len(common) >= 2 and all(shares_partition(s) for s in common):
-        return _paired(claim, [mine[s][0] for s in common], [theirs[s][0] for s in common], censored)
+        diffs = [mine[s][0] - theirs[s][0] for s in common]
+        return _paired(claim, diffs, censored)
     return _welch(claim, [v for v, _ in mine.values()], [v for v, _ in theirs.values()], censored)
+
+
+def _censoring_refusal(
+    claim: Claim, mine: dict[int, tuple[float, bool]], theirs: dict[int, tuple[float, bool]]
+) -> ClaimResult | None:
+    """A seed that never reached the target counts at final round + 1, the fewest rounds it could have taken: fair to
+    the side the claim says is slower, but on the side it says is faster it would flatter the claim. Refuse that."""
+    faster, values = (claim.run, mine) if claim.direction == "lower" else (claim.than, theirs)
+    flattering = sum(c for _, c in values.values())
+    if not flattering:
+        return None
+    verdict = (
+        f"not held: {faster} never reached the target in {flattering} of {len(values)} seeds, so its rounds to the "
+        "target are unknown there"
+    )
+    return ClaimResult(claim, False, verdict, "", len(values), None, None, None, None, flattering)
 
 
 def _values(label: str, metric: str, runs: Sequence[SeedSummary]) -> dict[int, tuple[float, bool]]:
@@ -183,54 +236,63 @@ def _values(label: str, metric: str, runs: Sequence[SeedSummary]) -> dict[int, t
     return out
 
 
-def _paired(claim: Claim, mine: list[float], theirs: list[float], censored: int) -> ClaimResult:
+def t_interval(mean: float, se: float, dof: float, level: float) -> tuple[float, float]:
+    """The two-sided `level` t-interval around `mean` with standard error `se`."""
     from scipy import stats
 
-    raw = [a - b for a, b in zip(mine, theirs, strict=True)]
-    n = len(raw)
-    shifted = [d - claim.margin for d in raw]
-    mean, sd = statistics.fmean(raw), statistics.stdev(raw)
-    half = stats.t.ppf(0.5 + CI_LEVEL / 2, n - 1) * sd / math.sqrt(n)
+    half = float(stats.t.ppf(0.5 + level / 2, dof)) * se if se > 0 else 0.0
+    return (mean - half, mean + half)
+
+
+def _one_sided_p(claim: Claim, shifted_mean: float, se: float, dof: float) -> float:
+    """P(T ≤ t) for "lower", P(T ≥ t) for "higher", t = (mean difference − margin) / se."""
+    from scipy import stats
+
     sign = -1.0 if claim.direction == "lower" else 1.0
-    agreeing = sum(1 for d in shifted if sign * d > 0)
-    if sd == 0:  # every seed the same difference: no spread to test against, only its sign
-        p = 0.0 if sign * shifted[0] > 0 else 1.0
-    else:
-        t = statistics.fmean(shifted) / (sd / math.sqrt(n))
-        p = float(stats.t.cdf(sign * -t, n - 1))  # one-sided: P(T >= t) for "higher", P(T <= t) for "lower"
-    return _result(claim, "paired t-test", n, mean, (mean - half, mean + half), p, agreeing, censored)
+    return float(stats.t.cdf(sign * -shifted_mean / se, dof))
+
+
+def _paired(claim: Claim, diffs: list[float], censored: int) -> ClaimResult:
+    n = len(diffs)
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    sign = -1.0 if claim.direction == "lower" else 1.0
+    agreeing = sum(1 for d in diffs if sign * (d - claim.margin) > 0)
+    se = sd / math.sqrt(n)
+    ci = t_interval(mean, se, n - 1, claim.ci_level)
+    if _no_spread(se, mean):
+        return _result(claim, "sign test", n, mean, ci, _sign_test(agreeing, n), agreeing, censored)
+    return _result(
+        claim, "paired t-test", n, mean, ci, _one_sided_p(claim, mean - claim.margin, se, n - 1), agreeing, censored
+    )
 
 
 def _welch(claim: Claim, mine: list[float], theirs: list[float], censored: int) -> ClaimResult:
-    from scipy import stats
-
     n = min(len(mine), len(theirs))
     if n < 2:
-        return ClaimResult(
-            claim,
-            False,
-            f"not testable: needs at least 2 seeds of each run with a value, has {len(mine)} and {len(theirs)}",
-            "",
-            n,
-            None,
-            None,
-            None,
-            None,
-            censored,
-        )
+        verdict = f"not held: not testable, needs 2 seeds of each run with a value, has {len(mine)} and {len(theirs)}"
+        return ClaimResult(claim, False, verdict, "", n, None, None, None, None, censored)
     mean = statistics.fmean(mine) - statistics.fmean(theirs)
     va, vb = statistics.variance(mine) / len(mine), statistics.variance(theirs) / len(theirs)
     se = math.sqrt(va + vb)
-    sign = -1.0 if claim.direction == "lower" else 1.0
-    if se == 0:
-        p = 0.0 if sign * (mean - claim.margin) > 0 else 1.0
-        half = 0.0
-    else:
-        dof = (va + vb) ** 2 / (va**2 / (len(mine) - 1) + vb**2 / (len(theirs) - 1))
-        t = (mean - claim.margin) / se
-        p = float(stats.t.cdf(sign * -t, dof))
-        half = float(stats.t.ppf(0.5 + CI_LEVEL / 2, dof)) * se
-    return _result(claim, "Welch t-test", n, mean, (mean - half, mean + half), p, None, censored)
+    if _no_spread(se, mean):
+        agreeing = n if (mean - claim.margin < 0) == (claim.direction == "lower") and mean != claim.margin else 0
+        return _result(claim, "sign test", n, mean, (mean, mean), _sign_test(agreeing, n), None, censored)
+    dof = (va + vb) ** 2 / (va**2 / (len(mine) - 1) + vb**2 / (len(theirs) - 1))  # Welch–Satterthwaite
+    ci = t_interval(mean, se, dof, claim.ci_level)
+    return _result(
+        claim, "Welch t-test", n, mean, ci, _one_sided_p(claim, mean - claim.margin, se, dof), None, censored
+    )
+
+
+def _no_spread(se: float, mean: float) -> bool:
+    """No spread over seeds to test against (identical differences, up to float rounding)."""
+    return se <= 1e-12 * max(1.0, abs(mean))
+
+
+def _sign_test(agreeing: int, n: int) -> float:
+    """Exact one-sided sign test: the chance that all n seeds point the claimed way by luck is 0.5^n; any seed the
+    other way and it is not shown."""
+    return 0.5**n if agreeing == n else 1.0
 
 
 def _result(
@@ -244,10 +306,12 @@ def _result(
     censored: int,
 ) -> ClaimResult:
     held = p < claim.alpha
-    claimed_way = (mean - claim.margin < 0) == (claim.direction == "lower") and mean != claim.margin
+    shifted = mean - claim.margin
     if held:
         verdict = f"held: p = {p:.3g} < {claim.alpha:g}"
-    elif claimed_way:
+    elif shifted == 0:
+        verdict = f"not held: no difference beyond the margin (p = {p:.3g})"
+    elif (shifted < 0) == (claim.direction == "lower"):
         verdict = (
             f"not held: the difference points the claimed way but is within the noise (p = {p:.3g} ≥ {claim.alpha:g})"
         )

@@ -6,8 +6,6 @@ import csv
 import io
 import json
 import math
-import os
-import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from fairfl.compose.compare.summary import (
     SeedSummary,
     Stat,
 )
-from fairfl.compose.provenance import revision_text, source_revision
+from fairfl.compose.provenance import machine_description, revision_text, source_revision
 from fairfl.compose.results import FAIRNESS_COLUMNS
 
 # (key, column heading, decimals) of the Markdown table's measured columns.
@@ -123,22 +121,6 @@ def render_csv(algorithms: Sequence[AlgorithmSummary], runs: Sequence[SeedSummar
     return out.getvalue()
 
 
-def machine_description() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except Exception:  # the header is informational only
-        pass
-    return info
-
-
 def _display_path(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
@@ -146,23 +128,30 @@ def _display_path(path: Path) -> str:
         return str(path)
 
 
+CLAIM_HEADINGS = (
+    "Claim", "Tested as", "Test (n)", "Difference [interval]", "p (one-sided)", "Seeds the claimed way", "Verdict"
+)  # fmt: skip
+
+
+def claim_cells(c: dict[str, Any]) -> list[str]:
+    """One claim's cells under CLAIM_HEADINGS, from its JSON form (ClaimResult.as_dict): the report's Claims table
+    and docs/results/claims.md (scripts/results.py) print claims the same way."""
+    diff = "—" if c["difference"] is None else f"{c['difference']:.4g}"
+    if c.get("ci"):
+        diff += f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}] ({c['ci_level']:.0%})"
+    test = f"{c['test']} ({c['n']})" if c["test"] else "—"
+    agreeing = "—" if c.get("agreeing_seeds") is None else f"{c['agreeing_seeds']}/{c['n']}"
+    verdict = c["verdict"]
+    verdict = ("**held**" if c["held"] else "**not held**") + verdict.removeprefix("held").removeprefix("not held")
+    if c.get("censored_seeds") and c["test"]:  # tested: the censored seeds are the slower side's
+        verdict += f"; {_plural(c['censored_seeds'], 'seed')} never reached the target (counted at final round + 1)"
+    return [c["claim"], f"`{c['statement']}`", test, diff, _p_text(c["p_value"]), agreeing, verdict]
+
+
 def render_claims(claims: Sequence[ClaimResult]) -> str:
     """The claims table: each claim, its test, the difference with its interval, p and the verdict."""
-    lines = [
-        "| Claim | Tested as | Test (n) | Difference (95% CI) | p (one-sided) | Seeds the claimed way | Verdict |",
-        "|---|---|---|---:|---:|---:|---|",
-    ]
-    for c in claims:
-        diff = "—" if c.difference is None else f"{c.difference:.4g}"
-        if c.ci is not None:
-            diff += f" [{c.ci[0]:.4g}, {c.ci[1]:.4g}]"
-        test = f"{c.test} ({c.n})" if c.test else "—"
-        agreeing = "—" if c.agreeing_seeds is None else f"{c.agreeing_seeds}/{c.n}"
-        verdict = ("**held**" if c.held else "**not held**") + c.verdict.removeprefix("held").removeprefix("not held")
-        if c.censored:
-            verdict += f"; {_plural(c.censored, 'seed')} never reached the target (counted at final round + 1)"
-        row = [c.claim.text, f"`{c.claim.statement()}`", test, diff, _p_text(c.p_value), agreeing, verdict]
-        lines.append("| " + " | ".join(map(_cell, row)) + " |")
+    lines = ["| " + " | ".join(CLAIM_HEADINGS) + " |", "|---|---|---|---:|---:|---:|---|"]
+    lines += ["| " + " | ".join(map(_cell, claim_cells(c.as_dict()))) + " |" for c in claims]
     return "\n".join(lines)
 
 
@@ -176,11 +165,19 @@ def render_intervals(algorithms: Sequence[AlgorithmSummary]) -> str:
     """Mean over seeds with its 95% t-interval for the table's accuracy metrics and any extra metric present."""
     extras = [(k, h) for k, h, _ in EXTRA_METRICS if any(a.metrics[k].n for a in algorithms)]
     cols = [(k, h) for k, h, _ in TABLE_METRICS] + extras
+    styles = {k: style for k, _, style in EXTRA_METRICS}
     lines = ["| Algorithm | Seeds | " + " | ".join(h for _, h in cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for a in algorithms:
-        cells = [a.metrics[k].format_ci(3 if k.startswith(("psi", "epsilon", "nmi")) else 2) for k, _ in cols]
+        cells = [_interval_cell(a.metrics[k], styles.get(k, "f2"), len(a.seeds), k) for k, _ in cols]
         lines.append("| " + " | ".join([_cell(a.label), str(len(a.seeds)), *cells]) + " |")
     return "\n".join(lines)
+
+
+def _interval_cell(stat: Stat, style: str, seeds: int, key: str) -> str:
+    text = stat.format_ci_as(style)
+    if key == "rounds_to_target" and 0 < stat.n < seeds:
+        text += f" ({stat.n}/{seeds} seeds reached it)"
+    return text
 
 
 def render_markdown(
@@ -188,7 +185,9 @@ def render_markdown(
     command_line: str,
     machine: dict[str, Any] | None = None,
     revision: dict[str, Any] | None = None,
+    claims: Sequence[ClaimResult] | None = None,
 ) -> str:
+    """The report page; `claims`: the tested claims when the caller has them already (else tested here)."""
     spec = result.spec
     machine = machine or machine_description()
     shared = ", ".join(f"{k}={v}" for k, v in spec.overrides.items()) or "none"
@@ -242,7 +241,7 @@ def render_markdown(
             render_intervals(algorithms),
         ]
     if spec.claims:
-        lines += ["", "## Claims", "", _CLAIMS_TEXT, "", render_claims(result.claims())]
+        lines += ["", "## Claims", "", _CLAIMS_TEXT, "", render_claims(result.claims() if claims is None else claims)]
     if any(r.extra.get("epsilon") is not None for r in result.runs):
         lines += ["", "Per run:", ""]
         lines.append("| Algorithm | Seed | Final round | Mean acc (%) | Ψ (final round) | ε spent (ledger) |")
@@ -263,9 +262,13 @@ def render_markdown(
 
 _CLAIMS_TEXT = (
     "Each claim of the comparison file, tested over seeds: d = run − baseline − margin per seed, a one-sided paired "
-    "t-test when both runs have the same seeds on the same data partition, else Welch's t-test. A claim holds when "
-    "p < its alpha (0.05 unless the file says). The difference is run − baseline without the margin, with its 95% "
-    "interval."
+    "t-test when both runs have the same seeds on the same data partition, else Welch's t-test (the exact sign test "
+    "when every seed gives the same difference). A claim holds when p < its alpha (0.05 unless the file says) and "
+    "every planned seed of both runs finished. The difference is run − baseline, without the margin, with its "
+    "1 − 2·alpha interval: the claim holds exactly when the interval's end on the claimed side lies beyond the margin. "
+    "For rounds to the target, a seed that never reached it counts as its final round + 1 on the side the claim calls "
+    "slower; on the side it calls faster the claim is not held. Each claim is tested on its own, without a correction "
+    "for testing several: with many claims, expect about one in twenty true-null ones to pass by chance."
 )
 
 
@@ -285,7 +288,11 @@ def _json_num(value: float | None) -> float | None:
 
 
 def report_dict(
-    result: ComparisonResult, command_line: str, machine: dict[str, Any], revision: dict[str, Any] | None = None
+    result: ComparisonResult,
+    command_line: str,
+    machine: dict[str, Any],
+    revision: dict[str, Any] | None = None,
+    claims: Sequence[ClaimResult] | None = None,
 ) -> dict[str, Any]:
     spec = result.spec
     return {
@@ -313,7 +320,7 @@ def report_dict(
                         "mean": _json_num(s.mean),
                         "std": _json_num(s.std),
                         "n": s.n,
-                        "ci95": list(s.ci) if s.ci else None,
+                        "ci95": [_json_num(x) for x in s.ci] if s.ci else None,
                     }
                     for k, s in a.metrics.items()
                 },
@@ -340,7 +347,7 @@ def report_dict(
             for r in result.runs
         ],
         "failures": [vars(f) for f in result.failures],
-        "claims": [c.as_dict() for c in result.claims()],
+        "claims": [c.as_dict() for c in (result.claims() if claims is None else claims)],
     }
 
 
@@ -426,9 +433,10 @@ def write_report(result: ComparisonResult, output_dir: Path, command_line: str) 
     output_dir.mkdir(parents=True, exist_ok=True)
     machine, revision = machine_description(), source_revision()
     algorithms = result.algorithms()
-    (output_dir / "comparison.md").write_text(render_markdown(result, command_line, machine, revision))
+    claims = result.claims()
+    (output_dir / "comparison.md").write_text(render_markdown(result, command_line, machine, revision, claims))
     (output_dir / "comparison.csv").write_text(render_csv(algorithms, result.runs))
-    report = report_dict(result, command_line, machine, revision)
+    report = report_dict(result, command_line, machine, revision, claims)
     (output_dir / "comparison.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     plot_accuracy_distribution(result, output_dir / "accuracy_distribution.png")
     plot_variance_over_rounds(result, output_dir / "variance_over_rounds.png")

@@ -28,12 +28,12 @@ from typing import IO
 
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
-from fairfl.compose.provenance import revision_text, source_revision
+from fairfl.compose.provenance import run_provenance
 from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
 FINISHED_STATE = "RUN_STATE_COMPLETED"
-REVISION_FILE = "revision.txt"  # the commit of the code that ran the pair (fairfl.compose.provenance)
+PROVENANCE_FILE = "provenance.json"  # the commit, machine and start of the pair's run (fairfl.compose.provenance)
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -103,8 +103,13 @@ def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
 
 
 def _revision_of(run_dir: Path) -> str | None:
+    """The commit that ran the pair, from its provenance.json (revision.txt before that file existed)."""
     try:
-        return (run_dir / REVISION_FILE).read_text().strip() or None
+        return str(json.loads((run_dir / PROVENANCE_FILE).read_text())["revision"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return (run_dir / "revision.txt").read_text().strip() or None
     except OSError:  # a pair finished before revisions were recorded
         return None
 
@@ -147,7 +152,7 @@ def _run_one(
     experiment = run_dir / "experiment.yaml"
     config = spec.experiment(run, seed)
     experiment.write_text(config.to_yaml())
-    (run_dir / REVISION_FILE).write_text(revision_text(source_revision()) + "\n")
+    (run_dir / PROVENANCE_FILE).write_text(json.dumps(run_provenance(time.time()), indent=2) + "\n")
     log_path = run_dir / "run.log"
     repo_root = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fairfl.compose.compare.claims import CI_LEVEL, ClaimResult, evaluate_claim
+from fairfl.compose.compare.claims import CI_LEVEL, ClaimResult, evaluate_claim, t_interval
 from fairfl.compose.compare.metrics import EXTRA_METRICS, PSI_TAIL
 from fairfl.compose.compare.spec import ComparisonSpec, PaperValue
 from fairfl.compose.results import FAIRNESS_COLUMNS
@@ -113,8 +113,8 @@ def _progress_metrics(results: dict[str, Any], target: float | None) -> dict[str
 
 @dataclass(frozen=True)
 class Stat:
-    """Mean and population std over seeds (values that are None or NaN are left out), and the t-interval of the mean
-    (sample std, CI_LEVEL) when there are two seeds or more."""
+    """Mean and population std over seeds (values that are None, NaN or infinite are left out), and the t-interval of
+    the mean (sample std, CI_LEVEL) when there are two seeds or more."""
 
     mean: float
     std: float
@@ -123,7 +123,7 @@ class Stat:
 
     @classmethod
     def of(cls, values: Sequence[float | None]) -> Stat:
-        xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+        xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
         if not xs:
             return cls(math.nan, math.nan, 0)
         mean = statistics.fmean(xs)
@@ -131,11 +131,16 @@ class Stat:
 
     def format_ci(self, digits: int = 2) -> str:
         """`mean [lo, hi]`; a plain mean for one seed, "—" for none."""
+        return self.format_ci_as(f"f{digits}")
+
+    def format_ci_as(self, style: str) -> str:
+        """`mean [lo, hi]` in `style` ("e": scientific, "fN": N decimals, as format_as)."""
         if self.n == 0:
             return "—"
+        spec = ".2e" if style == "e" else f".{int(style[1:])}f"
         if self.ci is None:
-            return f"{self.mean:.{digits}f}"
-        return f"{self.mean:.{digits}f} [{self.ci[0]:.{digits}f}, {self.ci[1]:.{digits}f}]"
+            return f"{self.mean:{spec}}"
+        return f"{self.mean:{spec}} [{self.ci[0]:{spec}}, {self.ci[1]:{spec}}]"
 
     def format(self, digits: int = 2) -> str:
         if self.n == 0:
@@ -156,10 +161,7 @@ class Stat:
 def _t_interval(mean: float, xs: Sequence[float]) -> tuple[float, float] | None:
     if len(xs) < 2:
         return None
-    from scipy import stats
-
-    half = float(stats.t.ppf(0.5 + CI_LEVEL / 2, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return (mean - half, mean + half)
+    return t_interval(mean, statistics.stdev(xs) / math.sqrt(len(xs)), len(xs) - 1, CI_LEVEL)
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,9 @@ class ComparisonResult:
     def claims(self) -> list[ClaimResult]:
         """Every claim of the comparison file, tested over the finished runs' seeds."""
         spec = self.spec
+        planned = {run.label: len(run.seeds) for run in spec.runs}
         return [
-            evaluate_claim(c, self.runs, lambda seed, c=c: spec.same_partition(c.run, c.than, seed))
+            evaluate_claim(c, self.runs, lambda seed, c=c: spec.same_partition(c.run, c.than, seed), planned)
             for c in spec.claims
         ]
 
