@@ -57,11 +57,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runlib's folder, also when loaded by file path
 
-from client_agent.dp_sgd import CHUNK, NORM_EPS, fair_clip_coefficients, per_sample_grad_fn  # noqa: E402
-from fairfl.config import ExperimentConfig, experiment_from_dict  # noqa: E402
+from runlib import find_runs, load_run_config  # puts the repository on the path
+
+from client_agent.dp_sgd import CHUNK, NORM_EPS, fair_clip_coefficients, per_sample_grad_fn
+from fairfl.config import ExperimentConfig
 
 DEFAULT_SAMPLE = 512
 SUM_CHUNK = 1024  # samples per backward pass of a coefficient-weighted sum
@@ -83,20 +84,6 @@ class Run:
     final_model_sha256: str | None
 
 
-def find_runs(paths: Sequence[Path]) -> list[Path]:
-    """Each path that holds a results.json, else every directory below it that does (sorted)."""
-    found: list[Path] = []
-    for path in paths:
-        if (path / "results.json").is_file():
-            found.append(path)
-        else:
-            below = sorted(p.parent for p in path.rglob("results.json"))
-            if not below:
-                raise SystemExit(f"{path}: no results.json in or below it")
-            found.extend(below)
-    return found
-
-
 def last_global_loss(rounds: Sequence[dict[str, Any]]) -> tuple[float | None, int | None]:
     """The last `strategy_metrics.global_loss` of results.json's rounds and its round (None, None when none)."""
     for entry in reversed(rounds):
@@ -109,41 +96,13 @@ def last_global_loss(rounds: Sequence[dict[str, Any]]) -> tuple[float | None, in
     return None, None
 
 
-# Keys of results.json configs written before the dataset and model plug-ins declared their parameters (issue #19),
-# by section: the old key, the plug-in it belonged to and its parameter now.
-LEGACY_KEYS: dict[str, list[tuple[str, str, str]]] = {
-    "data": [("synthetic_alpha", "synthetic", "alpha"), ("synthetic_beta", "synthetic", "beta")],
-    "model": [("hidden", "mlp", "hidden"), ("cnn_channels", "cnn", "channels"), ("cnn_hidden", "cnn", "hidden")],
-}
-
-
-def current_config(raw: dict[str, Any]) -> ExperimentConfig:
-    """The run's config as FairFL reads it now. An older results.json holds every plug-in's parameters as fields of
-    its section (e.g. model.cnn_channels); each is moved to `<section>.params` when it belongs to the section's
-    dataset or model, and dropped otherwise."""
-    from fairfl.schema import ConfigError
-
-    try:
-        return experiment_from_dict(raw)
-    except ConfigError:
-        migrated = json.loads(json.dumps(raw))
-        for section, keys in LEGACY_KEYS.items():
-            node = migrated.get(section) or {}
-            owner = node.get("dataset" if section == "data" else "name")
-            for old, plugin, param in keys:
-                value = node.pop(old, None)
-                if value is not None and owner == plugin:
-                    node.setdefault("params", {})[param] = value
-        return experiment_from_dict(migrated)
-
-
 def load_run(path: Path) -> Run:
     """The run's config and FedFair parameters; a run not of FedFDP (fedfair + record-level DP) is refused."""
     from aggregator_service.strategies.fedfair import FedFairParams
     from fairfl.plugins import parse_params
 
     results = json.loads((path / "results.json").read_text())
-    config = current_config(results["config"])
+    config = load_run_config(results["config"])  # older keys migrated
     if config.strategy.name != "fedfair":
         raise SystemExit(f"{path}: strategy {config.strategy.name!r}, not fedfair: FedFDP's Eq. 15 does not apply")
     if not (config.privacy.enabled and config.privacy.principal == "client"):

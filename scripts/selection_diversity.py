@@ -37,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runlib's folder, also when loaded by file path
 
-from fairfl.config import DataConfig, ExperimentConfig, experiment_from_dict  # noqa: E402
-from fairfl.schema import ConfigError  # noqa: E402
+from runlib import find_runs, load_run_config, migrate_legacy_keys  # puts the repository on the path
+
+from fairfl.config import ExperimentConfig, experiment_from_dict
+from fairfl.schema import ConfigError
 
 UNION_CLASS_MIN = 0.01  # a class counts in a round's union histogram when it holds >= 1% of it
 CLIENT_CLASS_MIN = 0.05  # ... or, the simpler count, when it is >= 5% of some selected client's data
@@ -59,20 +60,6 @@ class Run:
     selections: list[list[int]]  # per completed round, the client ids selected
     accuracy: list[tuple[int, float]]  # (round, mean client accuracy) of the evaluated rounds
     client_groups: list[int] | None
-
-
-def find_runs(paths: list[Path]) -> list[Path]:
-    """Each path that holds a results.json, else every directory below it that does (sorted)."""
-    found: list[Path] = []
-    for path in paths:
-        if (path / "results.json").is_file():
-            found.append(path)
-        else:
-            below = sorted(p.parent for p in path.rglob("results.json"))
-            if not below:
-                raise SystemExit(f"{path}: no results.json in or below it")
-            found.extend(below)
-    return found
 
 
 def load_run(path: Path) -> Run:
@@ -105,19 +92,13 @@ def load_run(path: Path) -> Run:
 
 
 def partition_config(config: dict[str, Any]) -> ExperimentConfig:
-    """The run's config as FairFL reads it. A results.json of older code may hold fields the schema has since moved
-    (DataConfig.MOVED_FIELDS); the partition depends only on `seed` and `data`, so those two are read alone, with the
-    moved fields put where they went (`data.params.<name>` of the dataset they belonged to) or dropped."""
+    """The run's config as FairFL reads it (runlib.load_run_config, which migrates the fields an older schema had).
+    The partition depends only on `seed` and `data`, so when the whole config is still rejected, those two are read
+    alone, `data` migrated the same way (runlib.migrate_legacy_keys)."""
     try:
-        return experiment_from_dict(config)
+        return load_run_config(config)
     except ConfigError:
-        data = dict(config["data"])
-        for old, target in DataConfig.MOVED_FIELDS.items():
-            value = data.pop(old, None)
-            dotted, _, rest = target.partition(" ")
-            owner = rest.strip("()").rsplit(" ", 1)[-1]  # "(of dataset synthetic)" -> "synthetic"
-            if value is not None and data.get("dataset") == owner:
-                data.setdefault("params", {})[dotted.rsplit(".", 1)[-1]] = value
+        data = migrate_legacy_keys(config)["data"]
         # clients_per_round 1: the default (10) would fail validation for a federation smaller than it.
         return experiment_from_dict(
             {"seed": config.get("seed", 0), "data": data, "selection": {"clients_per_round": 1}}

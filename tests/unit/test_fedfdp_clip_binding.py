@@ -222,6 +222,8 @@ def test_legacy_config_keys_are_moved_to_params(binding: ModuleType) -> None:
     raw["data"].pop("params")
     raw["data"].update(synthetic_alpha=0.5, synthetic_beta=1.0)
     raw["model"] = {"name": "cnn", "hidden": [200, 200], "cnn_channels": [8, 16], "cnn_hidden": 64}
-    config = binding.current_config(raw)
-    assert config.model.params == {"channels": [8, 16], "hidden": 64}
+    before = json.dumps(raw, sort_keys=True)
+    config = binding.load_run_config(raw)  # runlib's, as the script reads results.json
+    assert config.model.params == {"channels": [8, 16], "hidden": 64}  # the old model.hidden was the MLP's: dropped
     assert config.data.params == {"alpha": 0.5, "beta": 1.0}
+    assert json.dumps(raw, sort_keys=True) == before

@@ -12,7 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
+import runlib
 import selection_diversity as sd
+
+from fairfl.config import DataConfig, ModelConfig
 
 # Four clients, three classes: clients 0-2 single-class (classes 0, 1, 2), client 3 an even mix of all three.
 H = np.array([[100, 0, 0], [0, 100, 0], [0, 0, 100], [30, 30, 30]])
@@ -112,7 +115,28 @@ def test_partition_config_reads_older_results_configs() -> None:
         "data": {"dataset": "synthetic", "num_clients": 4, "partition": "iid", "synthetic_alpha": 0.5},
         "model": {"name": "mlp", "hidden": [8]},  # a layout the current schema no longer takes
     }
+    before = json.dumps(old, sort_keys=True)
     cfg = sd.partition_config(old)
     assert cfg.seed == 3
     assert cfg.data.num_clients == 4
     assert cfg.data.params == {"alpha": 0.5}
+    assert json.dumps(old, sort_keys=True) == before  # the run's recorded config is left as it is
+
+    # Valid once migrated (clients_per_round fits the federation): the whole config, old keys moved.
+    old["selection"] = {"clients_per_round": 2}
+    cfg = sd.partition_config(old)
+    assert (cfg.rounds, cfg.selection.clients_per_round) == (9, 2)
+    assert cfg.data.params == {"alpha": 0.5}
+    assert cfg.model.params == {"hidden": [8]}
+
+
+def test_runlib_legacy_keys_are_fairfl_moved_fields() -> None:
+    """runlib's map of the pre-#19 keys holds exactly the keys fairfl.config reports as moved, each to the
+    `<section>.params.<name>` its message names, owned by a plug-in the message names."""
+    assert set(runlib.LEGACY_KEYS) == set(runlib.PLUGIN_FIELD) == {"data", "model"}
+    for section, schema in (("data", DataConfig), ("model", ModelConfig)):
+        keys = runlib.LEGACY_KEYS[section]
+        assert sorted(old for old, _, _ in keys) == sorted(schema.MOVED_FIELDS)
+        for old, plugin, param in keys:
+            target = schema.MOVED_FIELDS[old]
+            assert target.startswith(f"{section}.params.{param} (of ") and plugin in target, (old, target)
