@@ -4,6 +4,7 @@ report. The tests are checked against scipy's own t-tests, computed independentl
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,21 @@ def test_welch_higher_matches_scipy() -> None:
     result = evaluate_claim(claim, runs_of(fair, fedavg), lambda s: False)
     assert result.p_value == pytest.approx(stats.ttest_ind(fair, fedavg, equal_var=False, alternative="greater").pvalue)
     assert result.held
+
+
+def test_a_number_as_baseline_is_a_one_sample_test(tmp_path: Path) -> None:
+    spec = load_comparison(spec_file(tmp_path, [{**GOOD, "claim": None, "is": "higher", "than": 40}]))
+    (claim,) = spec.claims
+    assert claim.threshold and claim.statement() == "Fair variance > 40"
+    values = [40.5, 41.2, 43.0, 41.9, 42.4]
+    result = evaluate_claim(claim, runs_of(values, []), lambda s: pytest.fail("no pairing against a number"))
+    assert result.test == "one-sample t-test" and result.n == 5
+    assert result.p_value == pytest.approx(stats.ttest_1samp(values, 40.0, alternative="greater").pvalue)
+    assert result.held and result.difference == pytest.approx(sum(values) / 5 - 40)
+    perfect = evaluate_claim(claim, runs_of([1.0] * 5, []), lambda s: True)  # NMI 1.0 every seed: the sign test
+    assert (perfect.test, perfect.held) == ("sign test", False)  # 1.0 is not above 40
+    with pytest.raises(ConfigError, match=re.escape("claims[0].than: 'Nope' is not a run label or a number")):
+        load_comparison(spec_file(tmp_path, [{**GOOD, "than": "Nope"}]))
 
 
 def test_missing_seeds_make_a_claim_incomplete_never_held() -> None:

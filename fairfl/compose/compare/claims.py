@@ -14,17 +14,23 @@ A claim names a run, a metric, a direction and a baseline run, and optionally a 
         is: higher
         than: FedAvg
         margin: -0.5         # FedEBA+ mean > FedAvg mean - 0.5
+      - claim: Equitable-FL's clusters recover the true groups
+        run: Equitable-FL
+        metric: nmi_all_groups
+        is: higher
+        than: 0.9            # a number: a threshold, not a run
 
-With d = run − baseline − margin per seed, "lower" is the one-sided alternative mean(d) < 0 ("higher": > 0). The test is
-a paired t-test over the seeds both runs have when those seeds share their data partition (same seed, same `data`
-config), else Welch's t-test over each run's own seeds; when every seed gives the same difference there is no spread
-to test against and the exact sign test decides (0.5^n). A claim holds when p < alpha (default 0.05) and every seed
-the comparison planned for both runs has a value (else it is incomplete). The report gives the mean difference
-run − baseline with its two-sided 1 − 2·alpha interval (90% at alpha 0.05: its end on the claimed side is the test's
-bound, so the claim holds exactly when that end lies beyond the margin), p, and for paired tests how many seeds point
-the claimed way. For `rounds_to_target` a seed that never reached the target counts as its final round + 1: the
-fewest rounds it could have taken, which is fair to the side the claim calls slower; a claim whose faster side has
-such seeds is not held (its rounds are unknown there).
+With d = run − baseline − margin per seed (baseline: the other run's value, or the number), "lower" is the one-sided
+alternative mean(d) < 0 ("higher": > 0). The test is a paired t-test over the seeds both runs have when those seeds
+share their data partition (same seed, same `data` config), else Welch's t-test over each run's own seeds; against a
+number, a one-sample t-test. When every seed gives the same difference there is no spread to test against and the
+exact sign test decides (0.5^n). A claim holds when p < alpha (default 0.05) and every seed the comparison planned for
+its runs has a value (else it is incomplete). The report gives the mean difference run − baseline with its two-sided
+1 − 2·alpha interval (90% at alpha 0.05: its end on the claimed side is the test's bound, so the claim holds exactly
+when that end lies beyond the margin), p, and for paired tests how many seeds point the claimed way. For
+`rounds_to_target` a seed that never reached the target counts as its final round + 1: the fewest rounds it could
+have taken, which is fair to the side the claim calls slower; a claim whose faster side has such seeds is not held
+(its rounds are unknown there).
 """
 
 from __future__ import annotations
@@ -50,13 +56,14 @@ CI_LEVEL = 0.95
 
 @dataclass(frozen=True)
 class Claim:
-    """`run`'s `metric` is `direction` than `than`'s (+ margin), significant at `alpha`."""
+    """`run`'s `metric` is `direction` than `than`'s (a run label) or than `than` (a number), + margin, significant at
+    `alpha`."""
 
     text: str
     run: str
     metric: str
     direction: str
-    than: str
+    than: str | float
     margin: float = 0.0
     alpha: float = DEFAULT_ALPHA
 
@@ -70,7 +77,13 @@ class Claim:
         """The claim as a formula, e.g. `FedEBA+ variance < FedAvg variance − 0.5`."""
         sign = "<" if self.direction == "lower" else ">"
         margin = "" if self.margin == 0 else f" {'+' if self.margin > 0 else '−'} {abs(self.margin):g}"
-        return f"{self.run} {self.metric} {sign} {self.than} {self.metric}{margin}"
+        baseline = f"{self.than:g}" if self.threshold else f"{self.than} {self.metric}"
+        return f"{self.run} {self.metric} {sign} {baseline}{margin}"
+
+    @property
+    def threshold(self) -> bool:
+        """Whether `than` is a number (a one-sample claim) rather than a run label."""
+        return not isinstance(self.than, str)
 
 
 @dataclass(frozen=True)
@@ -78,7 +91,7 @@ class ClaimResult:
     claim: Claim
     held: bool
     verdict: str  # one line a reader can act on: why it holds, or why not
-    test: str  # "paired t-test", "Welch t-test" or "" when untestable
+    test: str  # "paired t-test", "Welch t-test", "one-sample t-test", "sign test", or "" when untestable
     n: int  # paired: common seeds; Welch: the smaller side
     difference: float | None  # mean of run − baseline (without the margin)
     ci: tuple[float, float] | None  # the claim's ci_level interval of that difference
@@ -128,9 +141,13 @@ def _claim(raw: Any, path: str, labels: Sequence[str], target_accuracy: float | 
     for key in ("run", "metric", "is", "than"):
         if key not in raw:
             raise ConfigError(f"{path}.{key}: required field is missing")
-    for key in ("run", "than"):
+    threshold = isinstance(raw["than"], int | float) and not isinstance(raw["than"], bool)
+    for key in ("run",) if threshold else ("run", "than"):
         if raw[key] not in labels:
-            raise ConfigError(f"{path}.{key}: {raw[key]!r} is not a run label; labels: {', '.join(labels)}")
+            what = "a run label" if key == "run" else "a run label or a number"
+            raise ConfigError(f"{path}.{key}: {raw[key]!r} is not {what}; labels: {', '.join(labels)}")
+    if threshold and not math.isfinite(raw["than"]):
+        raise ConfigError(f"{path}.than: expected a run label or a finite number, got {raw['than']!r}")
     if raw["run"] == raw["than"]:
         raise ConfigError(f"{path}.than: a claim compares two different runs, got {raw['run']!r} twice")
     metric = raw["metric"]
@@ -147,7 +164,8 @@ def _claim(raw: Any, path: str, labels: Sequence[str], target_accuracy: float | 
     text = raw.get("claim")
     if text is not None and (not isinstance(text, str) or not text.strip()):
         raise ConfigError(f"{path}.claim: expected the claim in words, got {text!r}")
-    claim = Claim("", raw["run"], metric, raw["is"], raw["than"], margin, alpha)
+    than = float(raw["than"]) if threshold else raw["than"]
+    claim = Claim("", raw["run"], metric, raw["is"], than, margin, alpha)
     return dataclasses.replace(claim, text=text or claim.statement())
 
 
@@ -182,11 +200,16 @@ def evaluate_claim(
     same data partition (then the seeds pair up). `planned`: seeds each run label should have; with fewer, the claim
     is not held yet (incomplete), whatever the partial test says."""
     mine = _values(claim.run, claim.metric, runs)
-    theirs = _values(claim.than, claim.metric, runs)
-    result = _censoring_refusal(claim, mine, theirs) or _test(claim, mine, theirs, shares_partition)
+    if isinstance(claim.than, str):
+        theirs = _values(claim.than, claim.metric, runs)
+        sides = [(claim.run, mine), (claim.than, theirs)]
+        result = _censoring_refusal(claim, mine, theirs) or _test(claim, mine, theirs, shares_partition)
+    else:
+        sides = [(claim.run, mine)]
+        result = _censoring_refusal(claim, mine, {}) or _threshold_test(claim, mine, claim.than)
     missing = [
         f"{label} has {len(values)} of {planned[label]} seeds"
-        for label, values in ((claim.run, mine), (claim.than, theirs))
+        for label, values in sides
         if planned and len(values) < planned.get(label, 0)
     ]
     if missing and result.held:
@@ -210,12 +233,20 @@ def _test(
     return _welch(claim, [v for v, _ in mine.values()], [v for v, _ in theirs.values()], censored)
 
 
+def _threshold_test(claim: Claim, mine: dict[int, tuple[float, bool]], threshold: float) -> ClaimResult:
+    censored = sum(c for _, c in mine.values())
+    if len(mine) < 2:
+        verdict = f"not held: not testable, needs 2 seeds of {claim.run} with a value, has {len(mine)}"
+        return ClaimResult(claim, False, verdict, "", len(mine), None, None, None, None, censored)
+    return _paired(claim, [v - threshold for v, _ in mine.values()], censored, "one-sample t-test")
+
+
 def _censoring_refusal(
     claim: Claim, mine: dict[int, tuple[float, bool]], theirs: dict[int, tuple[float, bool]]
 ) -> ClaimResult | None:
     """A seed that never reached the target counts at final round + 1, the fewest rounds it could have taken: fair to
     the side the claim says is slower, but on the side it says is faster it would flatter the claim. Refuse that."""
-    faster, values = (claim.run, mine) if claim.direction == "lower" else (claim.than, theirs)
+    faster, values = (claim.run, mine) if claim.direction == "lower" else (str(claim.than), theirs)
     flattering = sum(c for _, c in values.values())
     if not flattering:
         return None
@@ -252,7 +283,7 @@ def _one_sided_p(claim: Claim, shifted_mean: float, se: float, dof: float) -> fl
     return float(stats.t.cdf(sign * -shifted_mean / se, dof))
 
 
-def _paired(claim: Claim, diffs: list[float], censored: int) -> ClaimResult:
+def _paired(claim: Claim, diffs: list[float], censored: int, test: str = "paired t-test") -> ClaimResult:
     n = len(diffs)
     mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
     sign = -1.0 if claim.direction == "lower" else 1.0
@@ -261,9 +292,7 @@ def _paired(claim: Claim, diffs: list[float], censored: int) -> ClaimResult:
     ci = t_interval(mean, se, n - 1, claim.ci_level)
     if _no_spread(se, mean):
         return _result(claim, "sign test", n, mean, ci, _sign_test(agreeing, n), agreeing, censored)
-    return _result(
-        claim, "paired t-test", n, mean, ci, _one_sided_p(claim, mean - claim.margin, se, n - 1), agreeing, censored
-    )
+    return _result(claim, test, n, mean, ci, _one_sided_p(claim, mean - claim.margin, se, n - 1), agreeing, censored)
 
 
 def _welch(claim: Claim, mine: list[float], theirs: list[float], censored: int) -> ClaimResult:

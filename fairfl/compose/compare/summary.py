@@ -232,7 +232,7 @@ class ComparisonResult:
         spec = self.spec
         planned = {run.label: len(run.seeds) for run in spec.runs}
         return [
-            evaluate_claim(c, self.runs, lambda seed, c=c: spec.same_partition(c.run, c.than, seed), planned)
+            evaluate_claim(c, self.runs, lambda seed, c=c: spec.same_partition(c.run, str(c.than), seed), planned)
             for c in spec.claims
         ]
 
