@@ -230,7 +230,18 @@ def test_a_faster_side_that_never_reached_the_target_is_not_held() -> None:
     runs += [seed("FedAvg", i, 0.0, rounds_to_target=r) for i, r in enumerate([150.0, 160.0, 170.0, 180.0, 190.0])]
     result = evaluate_claim(claim, runs, lambda s: True)
     assert not result.held and result.p_value is None
-    assert "Fair never reached the target in 5 of 5 seeds" in result.verdict
+    assert result.verdict.endswith(
+        "Fair never reached the target in seed(s) 0, 1, 2, 3, 4, so its rounds to the target are unknown where the "
+        "other side reached it"
+    )
+    welch = evaluate_claim(claim, runs, lambda s: False)  # unpaired: any miss of the faster side
+    assert not welch.held and "seed(s) 0, 1, 2, 3, 4, so its rounds to the target are unknown" in welch.verdict
+    # A seed where neither side reached the target is no difference, not a refusal: the others decide.
+    runs = [seed("Fair", i, 0.0, rounds_to_target=r) for i, r in enumerate([40.0, 45.0, 50.0, 42.0, None])]
+    runs += [seed("FedAvg", i, 0.0, rounds_to_target=r) for i, r in enumerate([150.0, 160.0, 170.0, 180.0, None])]
+    both = evaluate_claim(claim, runs, lambda s: True)
+    expected = stats.ttest_rel([40.0, 45.0, 50.0, 42.0, 101.0], [150.0, 160.0, 170.0, 180.0, 101.0], alternative="less")
+    assert both.p_value == pytest.approx(expected.pvalue) and both.censored == 2 and both.agreeing_seeds == 4
 
 
 def test_rounds_to_target_counts_a_seed_that_never_reached_it_at_final_round_plus_one() -> None:

@@ -29,8 +29,9 @@ its runs has a value (else it is incomplete). The report gives the mean differen
 1 − 2·alpha interval (90% at alpha 0.05: its end on the claimed side is the test's bound, so the claim holds exactly
 when that end lies beyond the margin), p, and for paired tests how many seeds point the claimed way. For
 `rounds_to_target` a seed that never reached the target counts as its final round + 1: the fewest rounds it could
-have taken, which is fair to the side the claim calls slower; a claim whose faster side has such seeds is not held
-(its rounds are unknown there).
+have taken, which is fair to the side the claim calls slower. A seed where the side it calls faster missed the target
+and the other side reached it makes the claim not held (its rounds are unknown there); a seed where neither reached
+it counts as no difference.
 """
 
 from __future__ import annotations
@@ -203,10 +204,10 @@ def evaluate_claim(
     if isinstance(claim.than, str):
         theirs = _values(claim.than, claim.metric, runs)
         sides = [(claim.run, mine), (claim.than, theirs)]
-        result = _censoring_refusal(claim, mine, theirs) or _test(claim, mine, theirs, shares_partition)
+        result = _test(claim, mine, theirs, shares_partition)
     else:
         sides = [(claim.run, mine)]
-        result = _censoring_refusal(claim, mine, {}) or _threshold_test(claim, mine, claim.than)
+        result = _censoring_refusal(claim, mine, {}, None) or _threshold_test(claim, mine, claim.than)
     missing = [
         f"{label} has {len(values)} of {planned[label]} seeds"
         for label, values in sides
@@ -227,7 +228,11 @@ def _test(
 ) -> ClaimResult:
     censored = sum(c for _, c in mine.values()) + sum(c for _, c in theirs.values())
     common = sorted(set(mine) & set(theirs))
-    if len(common) >= 2 and all(shares_partition(s) for s in common):
+    paired = len(common) >= 2 and all(shares_partition(s) for s in common)
+    refusal = _censoring_refusal(claim, mine, theirs, common if paired else None)
+    if refusal is not None:
+        return refusal
+    if paired:
         diffs = [mine[s][0] - theirs[s][0] for s in common]
         return _paired(claim, diffs, censored)
     return _welch(claim, [v for v, _ in mine.values()], [v for v, _ in theirs.values()], censored)
@@ -242,19 +247,28 @@ def _threshold_test(claim: Claim, mine: dict[int, tuple[float, bool]], threshold
 
 
 def _censoring_refusal(
-    claim: Claim, mine: dict[int, tuple[float, bool]], theirs: dict[int, tuple[float, bool]]
+    claim: Claim,
+    mine: dict[int, tuple[float, bool]],
+    theirs: dict[int, tuple[float, bool]],
+    pairs: list[int] | None,
 ) -> ClaimResult | None:
     """A seed that never reached the target counts at final round + 1, the fewest rounds it could have taken: fair to
-    the side the claim says is slower, but on the side it says is faster it would flatter the claim. Refuse that."""
-    faster, values = (claim.run, mine) if claim.direction == "lower" else (str(claim.than), theirs)
-    flattering = sum(c for _, c in values.values())
+    the side the claim says is slower, but on the side it says is faster it would flatter the claim. Refuse that: in a
+    paired test, a seed where the faster side missed the target and the slower side reached it (a seed where neither
+    did counts as no difference); otherwise, any miss of the faster side."""
+    lower = claim.direction == "lower"
+    faster, fast, slow = (claim.run, mine, theirs) if lower else (str(claim.than), theirs, mine)
+    if pairs is not None:
+        flattering = [s for s in pairs if fast[s][1] and not slow[s][1]]
+    else:
+        flattering = [s for s, (_, censored) in fast.items() if censored]
     if not flattering:
         return None
-    verdict = (
-        f"not held: {faster} never reached the target in {flattering} of {len(values)} seeds, so its rounds to the "
-        "target are unknown there"
-    )
-    return ClaimResult(claim, False, verdict, "", len(values), None, None, None, None, flattering)
+    seeds = ", ".join(map(str, flattering))
+    verdict = f"not held: {faster} never reached the target in seed(s) {seeds}, so its rounds to the target are unknown"
+    if pairs is not None:
+        verdict += " where the other side reached it"
+    return ClaimResult(claim, False, verdict, "", len(pairs or fast), None, None, None, None, len(flattering))
 
 
 def _values(label: str, metric: str, runs: Sequence[SeedSummary]) -> dict[int, tuple[float, bool]]:

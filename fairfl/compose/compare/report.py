@@ -266,9 +266,10 @@ _CLAIMS_TEXT = (
     "when every seed gives the same difference). A claim holds when p < its alpha (0.05 unless the file says) and "
     "every planned seed of both runs finished. The difference is run − baseline, without the margin, with its "
     "1 − 2·alpha interval: the claim holds exactly when the interval's end on the claimed side lies beyond the margin. "
-    "For rounds to the target, a seed that never reached it counts as its final round + 1 on the side the claim calls "
-    "slower; on the side it calls faster the claim is not held. Each claim is tested on its own, without a correction "
-    "for testing several: with many claims, expect about one in twenty true-null ones to pass by chance."
+    "For rounds to the target, a seed that never reached it counts as its final round + 1 (a seed where neither run "
+    "reached it is no difference); a seed where the run the claim calls faster missed it and the other reached it "
+    "makes the claim not held. Each claim is tested on its own, without a correction for testing several: with many "
+    "claims, expect about one in twenty true-null ones to pass by chance."
 )
 
 
