@@ -96,6 +96,8 @@ def test_resume_runs_only_the_missing_and_unfinished_pairs(tmp_path: Path) -> No
     for key in ("algorithms", "runs", "failures"):
         assert without_wall_time(resumed[key]) == without_wall_time(full[key]), key
     assert (report_dir / "accuracy_over_rounds.png").stat().st_size > 0
+    md = (report_dir / "comparison.md").read_text()
+    assert "--resume`" in md and "; 2 of 4 finished runs reused from an earlier invocation)" in md
 
 
 def test_resume_reruns_a_pair_whose_experiment_changed(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--rounds", str(args.rounds)]
     if args.seeds is not None:
         parts += ["--seeds", ",".join(map(str, args.seeds))]
+    if getattr(args, "resume", False):
+        parts.append("--resume")
     return shlex.join(parts)
 
 
@@ -95,8 +97,8 @@ def _compare(args: argparse.Namespace, interrupts: Interrupts) -> int:
     total = sum(len(run.seeds) for run in spec.runs)
     print(f"\n{len(result.runs)} of {total} runs finished; report in {output_dir}/")
     if interrupts.interrupted:
-        again = command_line(argparse.Namespace(**{**vars(args), "output": str(output_dir)}))
-        print(f"{interrupts.signal_name}: interrupted; to run the rest: {again} --resume", flush=True)
+        again = command_line(argparse.Namespace(**{**vars(args), "output": str(output_dir), "resume": True}))
+        print(f"{interrupts.signal_name}: interrupted; to run the rest: {again}", flush=True)
         return EXIT_INTERRUPTED
     return 0 if result.ok else 1
 

@@ -198,7 +198,12 @@ def render_markdown(
         f"# Comparison: {spec.name}",
         "",
         f"- Command: `{command_line}`",
-        f"- Date: {result.started.isoformat(timespec='seconds')} ({result.wall_seconds:.0f} s in all)",
+        f"- Date: {result.started.isoformat(timespec='seconds')} ({result.wall_seconds:.0f} s in all"
+        + (
+            f"; {result.reused} of {len(result.runs)} finished runs reused from an earlier invocation)"
+            if result.reused
+            else ")"
+        ),
         f"- Machine: {hw}; Python {machine['python']}" + (f", torch {machine['torch']}" if "torch" in machine else ""),
         f"- Code: {_code_text(revision, result.runs)}",
         f"- Base config: `{_display_path(spec.base)}`; shared overrides: {shared}",

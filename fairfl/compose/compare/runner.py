@@ -251,4 +251,5 @@ def run_comparison(
         failures=[o for o in ordered if isinstance(o, RunFailure)],
         started=started,
         wall_seconds=time.monotonic() - t0,
+        reused=len(reused),
     )

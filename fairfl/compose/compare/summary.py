@@ -222,6 +222,7 @@ class ComparisonResult:
     failures: list[RunFailure]
     started: datetime
     wall_seconds: float
+    reused: int = 0  # runs an earlier invocation finished (--resume), not run by this one
 
     @property
     def ok(self) -> bool:
