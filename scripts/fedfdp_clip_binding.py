@@ -59,7 +59,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runlib's folder, also when loaded by file path
 
-from runlib import find_runs, load_run_config  # puts the repository on the path
+from runlib import find_runs, load_final_model, load_run_config  # puts the repository on the path
 
 from client_agent.dp_sgd import CHUNK, NORM_EPS, fair_clip_coefficients, per_sample_grad_fn
 from fairfl.config import ExperimentConfig
@@ -166,17 +166,7 @@ def initial_model(config: ExperimentConfig) -> nn.Module:
 
 def final_model(run: Run) -> tuple[nn.Module, int] | None:
     """The run's model file and its round, checked against results.json; None when the directory has none."""
-    from fairfl.model_file import MODEL_FILE_NAME, build_model_from_file, load_model_file
-
-    path = run.path / MODEL_FILE_NAME
-    if not path.is_file():
-        return None
-    _, metadata = load_model_file(path)
-    if run.run_id and metadata.run_id != run.run_id:
-        raise SystemExit(f"{path}: model of run {metadata.run_id!r}, results.json is run {run.run_id!r}")
-    if run.final_model_sha256 and metadata.sha256 != run.final_model_sha256:
-        raise SystemExit(f"{path}: sha256 {metadata.sha256} is not results.json's final_model_sha256")
-    return build_model_from_file(path), metadata.round
+    return load_final_model(run.path, run.run_id, run.final_model_sha256)
 
 
 # --- per-sample losses, gradient norms and clipped sums ---------------------------------------------------------------

@@ -69,3 +69,19 @@ def load_run_config(raw: dict[str, Any]) -> ExperimentConfig:
         return experiment_from_dict(raw)
     except ConfigError:
         return experiment_from_dict(migrate_legacy_keys(raw))
+
+
+def load_final_model(run_dir: Path, run_id: str = "", sha256: str = "") -> tuple[Any, int] | None:
+    """The run's final model (run_dir/model.safetensors) as a torch module and its round, checked against the run's
+    results.json (its run id and, when given, final_model_sha256); None when the directory has no model file."""
+    from fairfl.model_file import MODEL_FILE_NAME, build_model_from_file, load_model_file
+
+    path = run_dir / MODEL_FILE_NAME
+    if not path.is_file():
+        return None
+    _, metadata = load_model_file(path)
+    if run_id and metadata.run_id != run_id:
+        raise SystemExit(f"{path}: model of run {metadata.run_id!r}, results.json is run {run_id!r}")
+    if sha256 and metadata.sha256 != sha256:
+        raise SystemExit(f"{path}: sha256 {metadata.sha256} is not results.json's final_model_sha256")
+    return build_model_from_file(path), metadata.round

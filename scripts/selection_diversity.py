@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runlib's folder, also when loaded by file path
 
-from runlib import find_runs, load_run_config, migrate_legacy_keys  # puts the repository on the path
+from runlib import find_runs, load_final_model, load_run_config, migrate_legacy_keys  # puts the repository on the path
 
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.schema import ConfigError
@@ -269,15 +269,10 @@ def final_model_losses(run: Run, partition: Partition, top: int) -> Losses | Non
     averaged per client (power-of-choice's F_k(θ)) and per class. None when the directory has no model file."""
     import torch
 
-    from fairfl.model_file import MODEL_FILE_NAME, build_model_from_file, load_model_file
-
-    path = run.path / MODEL_FILE_NAME
-    if not path.is_file():
+    loaded = load_final_model(run.path, run.run_id)
+    if loaded is None:
         return None
-    _, metadata = load_model_file(path)
-    if run.run_id and metadata.run_id != run.run_id:
-        raise SystemExit(f"{path}: model of run {metadata.run_id!r}, results.json is run {run.run_id!r}")
-    model = build_model_from_file(path)
+    model, model_round = loaded
     fed = partition.federated
     owner, indices = owners(fed.train_indices)
     labels = fed.train.y[indices]
@@ -308,7 +303,7 @@ def final_model_losses(run: Run, partition: Partition, top: int) -> Losses | Non
         }
         for k in order
     ]
-    return Losses(metadata.round, class_loss.tolist(), class_acc.tolist(), highest)
+    return Losses(model_round, class_loss.tolist(), class_acc.tolist(), highest)
 
 
 # --- the report -----------------------------------------------------------------------------------------------------

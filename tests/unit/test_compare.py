@@ -29,15 +29,9 @@ from fairfl.compose.compare import (
 )
 from fairfl.compose.results import FAIRNESS_COLUMNS
 from fairfl.config import ConfigError
+from tests.compare_support import TINY_EXPERIMENT
 
-BASE = {
-    "name": "tiny",
-    "rounds": 2,
-    "data": {"dataset": "synthetic", "num_clients": 4},
-    "model": {"name": "logreg"},
-    "training": {"local_steps": 1},
-    "selection": {"clients_per_round": 2},
-}
+BASE = TINY_EXPERIMENT
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

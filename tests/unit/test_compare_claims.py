@@ -17,15 +17,9 @@ from fairfl.compose.compare import ComparisonResult, SeedSummary, Stat, load_com
 from fairfl.compose.compare.claims import Claim, evaluate_claim
 from fairfl.compose.results import FAIRNESS_COLUMNS
 from fairfl.config import ConfigError
+from tests.compare_support import TINY_EXPERIMENT
 
-BASE = {
-    "name": "tiny",
-    "rounds": 2,
-    "data": {"dataset": "synthetic", "num_clients": 4},
-    "model": {"name": "logreg"},
-    "training": {"local_steps": 1},
-    "selection": {"clients_per_round": 2},
-}
+BASE = TINY_EXPERIMENT
 
 
 def spec_file(tmp_path: Path, claims: Any, **changes: Any) -> Path:

@@ -24,15 +24,9 @@ from fairfl.compose.compare import (
 from fairfl.compose.results import clustering_summary
 from fairfl.config import ConfigError
 from fairfl.v1 import common_pb2, control_pb2
+from tests.compare_support import TINY_EXPERIMENT
 
-BASE = {
-    "name": "tiny",
-    "rounds": 2,
-    "data": {"dataset": "synthetic", "num_clients": 4},
-    "model": {"name": "logreg"},
-    "training": {"local_steps": 1},
-    "selection": {"clients_per_round": 2},
-}
+BASE = TINY_EXPERIMENT
 MACHINE = {"platform": "p", "cpus": 2, "python": "3"}
 
 

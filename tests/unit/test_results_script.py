@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from fairfl.config import ConfigError
+from tests.compare_support import TINY_EXPERIMENT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,14 +30,7 @@ def _load_script() -> ModuleType:
 
 results = _load_script()
 
-BASE = {
-    "name": "tiny",
-    "rounds": 2,
-    "data": {"dataset": "synthetic", "num_clients": 4},
-    "model": {"name": "logreg"},
-    "training": {"local_steps": 1},
-    "selection": {"clients_per_round": 2},
-}
+BASE = TINY_EXPERIMENT
 
 
 def federation(tmp_path: Path, manifest: Any) -> Path:
