@@ -319,7 +319,9 @@ def write_deployment(
     force: bool = False,
 ) -> dict[str, Path]:
     """A CA (created, or reused from out/ca) and one directory per identity: the services, `operator` (a service
-    identity for people and scripts that drive runs) and the given agents. Returns identity name -> directory."""
+    identity for people and scripts that drive runs) and the given agents. Identities already in `out` are kept, so a
+    new agent can be added to a deployment; naming an existing agent again needs `force`, which replaces every
+    identity (renewal). Returns identity name -> directory of those written."""
     ca_dir = out / "ca"
     if (ca_dir / CA_CERT).exists():
         ca = CertificateAuthority.load(ca_dir)
@@ -332,11 +334,17 @@ def write_deployment(
     ]
     plan.append(("operator", ROLE_SERVICE, [], None))
     plan += [(name, ROLE_AGENT, [], clients) for name, clients in agents]
-    existing = [name for name, *_ in plan if (out / name / CERT).exists()]
-    if existing and not force:
-        raise TlsError(f"{out} already holds certificates for {', '.join(existing)}; pass --force to replace them")
+    existing = {name for name, *_ in plan if (out / name / CERT).exists()}
+    asked_again = [name for name, _ in agents if name in existing]
+    if asked_again and not force:
+        raise TlsError(
+            f"{out} already holds certificates for {', '.join(asked_again)}; pass --force to replace them (a new "
+            "agent's name adds it beside the existing identities)"
+        )
     written = {}
     for name, role, hosts, clients in plan:
+        if name in existing and not force:  # the services and operator of the deployment already there: kept
+            continue
         written[name] = ca.issue(name, role, hosts, clients, days).write(out / name)
     return written
 

@@ -426,6 +426,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     print(f"CA: {args.out / 'ca'} (keep ca.key offline: it signs new identities)")
     for name, directory in written.items():
         print(f"  {name:<12} {directory}/ (ca.crt, tls.crt, tls.key)")
+    kept = sorted(p.parent.name for p in args.out.glob("*/tls.crt") if p.parent.name not in written)
+    if kept:
+        print(f"Kept as they were: {', '.join(kept)} (--force replaces every identity)")
     print("Kubernetes Secrets (docs/deploy.md):")
     for name, directory in written.items():
         if name != "operator":

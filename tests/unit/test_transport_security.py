@@ -118,8 +118,17 @@ def test_fairfl_certs_writes_one_secret_directory_per_identity(tmp_path: Path, c
     assert TransportSecurity.from_dir(out / "operator").identity.role == "service"
 
     # Existing identities are kept unless --force; the CA is reused, so old and new identities trust each other.
-    assert cli.main(["certs", str(out)]) == 2
-    assert "already holds certificates" in capsys.readouterr().err
+    assert cli.main(["certs", str(out), "--agent", "site-a=0-9"]) == 2
+    assert "already holds certificates for site-a; pass --force" in capsys.readouterr().err
+    aggregator_cert = (out / "aggregator" / "tls.crt").read_bytes()
+    assert cli.main(["certs", str(out), "--agent", "site-b=10-19"]) == 0  # a new site joins the deployment
+    printed = capsys.readouterr().out
+    assert (
+        "site-b" in printed and "Kept as they were: aggregator, clustering, operator, privacy, site-a, spare" in printed
+    )
+    assert (out / "aggregator" / "tls.crt").read_bytes() == aggregator_cert  # kept, not re-issued
+    assert (out / "site-b" / "ca.crt").read_bytes() == ca_pem
+    assert TransportSecurity.from_dir(out / "site-b").identity.clients == ((10, 19),)
     assert cli.main(["certs", str(out), "--force"]) == 0
     assert (out / "ca" / "ca.crt").read_bytes() == ca_pem
     assert (out / "agent" / "ca.crt").read_bytes() == ca_pem
