@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -303,6 +304,17 @@ def _cmd_run(args: argparse.Namespace, interrupts: Interrupts) -> int:
         )
         return 2
     security = None
+    if args.tls_dir and not args.aggregator:
+        from fairfl.rpc_security import TLS_DIR_ENV
+
+        if args.tls_dir != os.environ.get(TLS_DIR_ENV, ""):  # given on the command line, not inherited
+            print(
+                "error: --tls-dir is the identity for reaching a running aggregator (--aggregator ADDR); a local run "
+                "issues its own short-lived certificates",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"note: {TLS_DIR_ENV} is set but this run starts its own services with their own certificates")
     if args.aggregator:  # a running deployment: its CA and an operator identity, or an explicit --insecure
         from fairfl.rpc_security import security_from_args
 

@@ -201,3 +201,15 @@ def test_data_providers_and_good_splits_pass_the_check(data_root: Path) -> None:
     synthetic = {"data": {"dataset": "synthetic", "num_clients": 4}, "selection": {"clients_per_round": 2}}
     check_run_data(experiment_from_dict(synthetic), remote=False, keep=False)
     assert cli.check_run_data is check_run_data
+
+
+def test_tls_dir_without_an_aggregator_is_refused_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FAIRFL_TLS_DIR", raising=False)
+    out = tmp_path / "out"
+    config = str(REPO / "experiments" / "quickstart.yaml")
+    assert main(["run", config, "--tls-dir", str(tmp_path / "operator"), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tls-dir is the identity for reaching a running aggregator (--aggregator ADDR)")
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
