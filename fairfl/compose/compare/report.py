@@ -241,7 +241,7 @@ def render_markdown(
         lines += [
             "",
             "95% confidence intervals of the mean over seeds (t-distribution, sample std; one seed: no interval). "
-            "Ψ, ε and NMI with three decimals.",
+            "Each metric in the main table's format (Ψ in scientific notation).",
             "",
             render_intervals(algorithms),
         ]
