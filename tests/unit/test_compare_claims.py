@@ -297,3 +297,26 @@ def test_report_lists_each_claim_held_or_not_with_its_test(tmp_path: Path) -> No
         < report["algorithms"][0]["metrics"]["variance"]["ci95"][1]
     )
     assert report["revision"]["commit"]  # this checkout is a git repository
+
+
+def test_the_readme_claims_example_loads_and_is_tested(tmp_path: Path) -> None:
+    """README.md's `claims:` block, as a user would paste it into a comparison file of those runs."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"```yaml\n(claims:\n.*?)```", readme, re.S)
+    assert block, "README.md has no ```yaml block starting with claims:"
+    claims = yaml.safe_load(block.group(1))["claims"]
+    labels = sorted({c["run"] for c in claims} | {c["than"] for c in claims if isinstance(c["than"], str)})
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
+    spec_dict = {"name": "readme", "base": "base.yaml", "seeds": [0, 1, 2, 3, 4], "claims": claims}
+    spec_dict["runs"] = [{"label": label} for label in labels]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(spec_dict, allow_unicode=True))
+    spec = load_comparison(tmp_path / "c.yaml")
+    assert [c.statement() for c in spec.claims] == [
+        "FedEBA+ variance < FedAvg variance",
+        "FedEBA+ mean > FedAvg mean − 0.5",
+        "Equitable-FL nmi_all_groups > 0.9",
+    ]
+    runs = [seed("FedEBA+", i, v) for i, v in enumerate([40.0, 52.0, 47.0, 44.0, 50.0])]
+    runs += [seed("FedAvg", i, v) for i, v in enumerate([61.0, 70.0, 58.0, 66.0, 72.0])]
+    result = evaluate_claim(spec.claims[0], runs, lambda s: True, {"FedEBA+": 5, "FedAvg": 5})
+    assert result.held and result.test == "paired t-test"
