@@ -320,3 +320,14 @@ def test_the_readme_claims_example_loads_and_is_tested(tmp_path: Path) -> None:
     runs += [seed("FedAvg", i, v) for i, v in enumerate([61.0, 70.0, 58.0, 66.0, 72.0])]
     result = evaluate_claim(spec.claims[0], runs, lambda s: True, {"FedEBA+": 5, "FedAvg": 5})
     assert result.held and result.test == "paired t-test"
+
+
+def test_the_report_row_says_how_many_runs_were_counted_at_final_round_plus_one() -> None:
+    from fairfl.compose.compare.report import claim_cells
+
+    claim = Claim("faster", "Fair", "rounds_to_target", "lower", "FedAvg")
+    runs = [seed("Fair", i, 0.0, rounds_to_target=r) for i, r in enumerate([40.0, 45.0, 50.0])]
+    runs += [seed("FedAvg", i, 0.0, rounds_to_target=r) for i, r in enumerate([None, 90.0, None])]
+    verdict = claim_cells(evaluate_claim(claim, runs, lambda s: True).as_dict())[-1]
+    assert verdict.startswith("**held**: p = ")
+    assert verdict.endswith("; 2 runs never reached the target (counted at final round + 1)")

@@ -144,7 +144,7 @@ def claim_cells(c: dict[str, Any]) -> list[str]:
     verdict = c["verdict"]
     verdict = ("**held**" if c["held"] else "**not held**") + verdict.removeprefix("held").removeprefix("not held")
     if c.get("censored_seeds") and c["test"]:  # tested: the censored seeds are the slower side's
-        verdict += f"; {_plural(c['censored_seeds'], 'seed')} never reached the target (counted at final round + 1)"
+        verdict += f"; {_plural(c['censored_seeds'], 'run')} never reached the target (counted at final round + 1)"
     return [c["claim"], f"`{c['statement']}`", test, diff, _p_text(c["p_value"]), agreeing, verdict]
 
 
