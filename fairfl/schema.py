@@ -12,11 +12,25 @@ import types
 import typing
 from typing import Any, Literal
 
-__all__ = ["ConfigError", "build_dataclass"]
+__all__ = ["ConfigError", "build_dataclass", "expect_mapping"]
 
 
 class ConfigError(ValueError):
     """An experiment config is invalid; the message names the field."""
+
+
+def expect_mapping(raw: Any, fields: typing.Sequence[str], path: str) -> dict[str, Any]:
+    """`raw` as a mapping whose keys are all among `fields`; else a ConfigError naming `path` and the valid fields.
+
+    For hand-written YAML shapes that are not dataclasses: comparison files, their runs and claims, results manifest.
+    """
+    valid = ", ".join(fields)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with fields {valid}, got {type(raw).__name__}")
+    unknown = sorted(set(map(str, raw)) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown field {unknown[0]!r}; valid fields: {valid}")
+    return raw
 
 
 _YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")

@@ -40,6 +40,7 @@ from fairfl.compose.compare import load_comparison  # noqa: E402
 from fairfl.compose.compare.report import CLAIM_HEADINGS, claim_cells  # noqa: E402
 from fairfl.compose.provenance import revision_text, run_provenance, source_revision  # noqa: E402
 from fairfl.config import ConfigError, load_experiment  # noqa: E402
+from fairfl.schema import expect_mapping  # noqa: E402
 
 RESULTS = Path("docs/results")
 MANIFEST = RESULTS / "results.yaml"
@@ -88,11 +89,7 @@ def load_manifest(path: Path) -> list[Entry]:
     entries, names = [], set()
     for i, raw in enumerate(data):
         where = f"{path}[{i}]"
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a mapping with fields {', '.join(_ENTRY_KEYS)}")
-        unknown = sorted(set(map(str, raw)) - set(_ENTRY_KEYS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown field {unknown[0]!r}; valid fields: {', '.join(_ENTRY_KEYS)}")
+        raw = expect_mapping(raw, _ENTRY_KEYS, where)
         name = raw.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name) or name in names:
             raise ConfigError(

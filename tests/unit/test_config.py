@@ -22,6 +22,7 @@ from fairfl.config import (
     load_experiment,
 )
 from fairfl.protocol import ClientResult
+from fairfl.schema import expect_mapping
 from fairfl.strategy import AggregateOutcome, RoundContext, Strategy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -486,3 +487,11 @@ def test_privacy_sound_range_bounds_and_no_loss_release_are_accepted() -> None:
     assert cfg.privacy.loss_noise_multiplier == 0.0
     assert experiment_from_dict({**DP, "privacy": {"enabled": True, "noise_multiplier": 1e4}}).privacy.enabled
     assert not experiment_from_dict({"privacy": {"noise_multiplier": 1e-156}}).privacy.enabled  # off: not checked
+
+
+def test_expect_mapping_names_the_path_and_the_valid_fields() -> None:
+    assert expect_mapping({"a": 1}, ("a", "b"), "x") == {"a": 1}
+    with pytest.raises(ConfigError, match=r"^claims\[2\]: expected a mapping with fields a, b, got list$"):
+        expect_mapping([1], ("a", "b"), "claims[2]")
+    with pytest.raises(ConfigError, match=r"^runs\[0\]: unknown field 'c'; valid fields: a, b$"):
+        expect_mapping({"a": 1, "c": 2}, ("a", "b"), "runs[0]")

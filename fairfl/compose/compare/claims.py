@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from fairfl.compose.compare.metrics import SEED_METRICS
 from fairfl.config import ConfigError
+from fairfl.schema import expect_mapping
 
 if TYPE_CHECKING:
     from fairfl.compose.compare.summary import SeedSummary
@@ -134,11 +135,7 @@ def parse_claims(value: Any, labels: Sequence[str], target_accuracy: float | Non
 
 
 def _claim(raw: Any, path: str, labels: Sequence[str], target_accuracy: float | None) -> Claim:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping with fields {', '.join(_CLAIM_KEYS)}")
-    unknown = sorted(set(map(str, raw)) - set(_CLAIM_KEYS))
-    if unknown:
-        raise ConfigError(f"{path}: unknown field {unknown[0]!r}; valid fields: {', '.join(_CLAIM_KEYS)}")
+    raw = expect_mapping(raw, _CLAIM_KEYS, path)
     for key in ("run", "metric", "is", "than"):
         if key not in raw:
             raise ConfigError(f"{path}.{key}: required field is missing")

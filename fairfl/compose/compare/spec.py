@@ -13,6 +13,7 @@ import yaml
 
 from fairfl.compose.compare.claims import Claim, parse_claims
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
+from fairfl.schema import expect_mapping
 
 TRANSPORTS = ("inprocess", "grpc")
 PAPER_METRICS = ("mean", "variance", "std", "worst_5", "best_5", "psi")
@@ -145,11 +146,7 @@ def comparison_from_dict(
 
     Every run's experiment is resolved and validated here, so a bad override fails before anything trains.
     """
-    if not isinstance(data, dict):
-        raise ConfigError(f"comparison: expected a mapping, got {type(data).__name__}")
-    unknown = sorted(set(map(str, data)) - set(_SPEC_KEYS))
-    if unknown:
-        raise ConfigError(f"comparison: unknown field {unknown[0]!r}; valid fields: {', '.join(_SPEC_KEYS)}")
+    data = expect_mapping(data, _SPEC_KEYS, "comparison")
     for key in ("name", "base", "runs"):
         if key not in data:
             raise ConfigError(f"{key}: required field is missing")
@@ -187,11 +184,7 @@ def comparison_from_dict(
     slugs: dict[str, str] = {}
     for i, raw in enumerate(raw_runs):
         path = f"runs[{i}]"
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping with fields {', '.join(_RUN_KEYS)}")
-        unknown = sorted(set(map(str, raw)) - set(_RUN_KEYS))
-        if unknown:
-            raise ConfigError(f"{path}: unknown field {unknown[0]!r}; valid fields: {', '.join(_RUN_KEYS)}")
+        raw = expect_mapping(raw, _RUN_KEYS, path)
         label = raw.get("label")
         if not isinstance(label, str) or not slugify(label):
             raise ConfigError(f"{path}.label: expected a non-empty label with letters or digits, got {label!r}")
