@@ -4,6 +4,7 @@ report. The tests are checked against scipy's own t-tests, computed independentl
 from __future__ import annotations
 
 import json
+import math
 import re
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +16,7 @@ from scipy import stats
 
 from fairfl.compose.compare import ComparisonResult, SeedSummary, Stat, load_comparison, write_report
 from fairfl.compose.compare.claims import Claim, evaluate_claim
+from fairfl.compose.compare.report import claim_cells
 from fairfl.compose.results import FAIRNESS_COLUMNS
 from fairfl.config import ConfigError
 from tests.compare_support import TINY_EXPERIMENT
@@ -331,3 +333,66 @@ def test_the_report_row_says_how_many_runs_were_counted_at_final_round_plus_one(
     verdict = claim_cells(evaluate_claim(claim, runs, lambda s: True).as_dict())[-1]
     assert verdict.startswith("**held**: p = ")
     assert verdict.endswith("; 2 runs never reached the target (counted at final round + 1)")
+
+
+# --- ratio claims (factor) --------------------------------------------------------------------------------------------
+
+
+def test_a_factor_claim_is_a_paired_t_test_on_the_logs(tmp_path: Path) -> None:
+    spec = load_comparison(spec_file(tmp_path, [{**GOOD, "claim": None, "factor": 2}]))
+    (claim,) = spec.claims
+    assert claim.statement() == "Fair variance < FedAvg variance / 2"
+    fair, fedavg = [20.0, 31.0, 24.0, 22.0, 27.0], [61.0, 70.0, 58.0, 66.0, 72.0]  # 2.2x to 2.9x lower
+    result = evaluate_claim(claim, runs_of(fair, fedavg), lambda s: True)
+    logs = [math.log(a) - math.log(b) for a, b in zip(fair, fedavg, strict=True)]
+    expected = stats.ttest_1samp(logs, -math.log(2), alternative="less")
+    assert result.test == "paired t-test" and result.p_value == pytest.approx(expected.pvalue, rel=1e-9)
+    assert result.held and result.agreeing_seeds == 5
+    assert result.difference == pytest.approx(math.exp(sum(logs) / 5))  # the geometric-mean ratio
+    lo, hi = stats.t.interval(0.90, 4, loc=sum(logs) / 5, scale=stats.sem(logs))
+    assert result.ci == pytest.approx((math.exp(lo), math.exp(hi)))
+    # A 3x claim on the same seeds: the geometric-mean ratio (~0.38) is above 1/3, the other way from the claim.
+    triple = evaluate_claim(
+        Claim("3x", "Fair", "variance", "lower", "FedAvg", factor=3.0), runs_of(fair, fedavg), lambda s: True
+    )
+    assert not triple.held and "points the other way" in triple.verdict and triple.agreeing_seeds == 1
+    row = claim_cells(result.as_dict())
+    assert row[1] == "`Fair variance < FedAvg variance / 2`" and row[3].startswith("×0.")
+    assert result.as_dict()["scale"] == "ratio" and result.as_dict()["factor"] == 2.0
+
+
+def test_a_higher_factor_claim_against_other_partitions_uses_welch_on_the_logs() -> None:
+    claim = Claim("10% more", "Fair", "variance", "higher", "FedAvg", factor=1.1)
+    fair, fedavg = [66.0, 70.0, 68.0, 73.0], [50.0, 55.0, 52.0, 58.0, 54.0]
+    result = evaluate_claim(claim, runs_of(fair, fedavg), lambda s: False)
+    a, b = [math.log(v) - math.log(1.1) for v in fair], [math.log(v) for v in fedavg]
+    expected = stats.ttest_ind(a, b, equal_var=False, alternative="greater")
+    assert result.test == "Welch t-test" and result.p_value == pytest.approx(expected.pvalue, rel=1e-9)
+    assert result.held
+
+
+def test_a_factor_claim_needs_positive_values_and_no_margin(tmp_path: Path) -> None:
+    claim = Claim("2x", "Fair", "variance", "lower", "FedAvg", factor=2.0)
+    result = evaluate_claim(claim, runs_of([1.0, 0.0, 2.0], [5.0, 6.0, 7.0]), lambda s: True)
+    assert not result.held and result.p_value is None
+    assert "not testable as a ratio, Fair seed 1 has variance = 0" in result.verdict
+    assert "claims[0]: give margin (a difference) or factor (a ratio), not both" in claim_error(
+        tmp_path, {**GOOD, "factor": 2, "margin": 1}
+    )
+    assert "claims[0].factor: expected a ratio > 0" in claim_error(tmp_path, {**GOOD, "factor": 0})
+    assert "claims[0].than: a ratio claim needs a positive threshold" in claim_error(
+        tmp_path, {**GOOD, "factor": 2, "than": -1}
+    )
+
+
+def test_rounds_to_target_as_a_ratio_keeps_the_censoring_rules() -> None:
+    claim = Claim("2x faster", "Fair", "rounds_to_target", "lower", "FedAvg", factor=2.0)
+    runs = [seed("Fair", i, 0.0, rounds_to_target=r) for i, r in enumerate([40.0, 45.0, 50.0, 42.0])]
+    runs += [seed("FedAvg", i, 0.0, rounds_to_target=r) for i, r in enumerate([None, 90.0, None, 120.0])]
+    result = evaluate_claim(claim, runs, lambda s: True)
+    logs = [math.log(a / b) for a, b in zip([40.0, 45.0, 50.0, 42.0], [101.0, 90.0, 101.0, 120.0], strict=True)]
+    assert result.censored == 2
+    assert result.p_value == pytest.approx(stats.ttest_1samp(logs, -math.log(2), alternative="less").pvalue)
+    refused = [seed("Fair", i, 0.0, rounds_to_target=None) for i in range(3)]
+    refused += [seed("FedAvg", i, 0.0, rounds_to_target=90.0) for i in range(3)]
+    assert "never reached the target" in evaluate_claim(claim, refused, lambda s: True).verdict

@@ -19,6 +19,12 @@ A claim names a run, a metric, a direction and a baseline run, and optionally a 
         metric: nmi_all_groups
         is: higher
         than: 0.9            # a number: a threshold, not a run
+      - claim: HiCS-FL reaches 75% at least twice as fast as random
+        run: HiCS-FL
+        metric: rounds_to_target
+        is: lower
+        than: random
+        factor: 2            # HiCS-FL rounds < random rounds / 2: tested on the log scale
 
 With d = run − baseline − margin per seed (baseline: the other run's value, or the number), "lower" is the one-sided
 alternative mean(d) < 0 ("higher": > 0). The test is a paired t-test over the seeds both runs have when those seeds
@@ -32,6 +38,11 @@ when that end lies beyond the margin), p, and for paired tests how many seeds po
 have taken, which is fair to the side the claim calls slower. A seed where the side it calls faster missed the target
 and the other side reached it makes the claim not held (its rounds are unknown there); a seed where neither reached
 it counts as no difference.
+
+With `factor: F` instead of a margin the claim is a ratio: "lower" means run < baseline / F, "higher" run > baseline ×
+F. The same tests then run on the logs of the values (d = ln run − ln baseline ∓ ln F), which fits quantities that
+scale, like rounds to a target or a variance; the report gives the geometric-mean ratio run / baseline with its
+interval. Every value must be positive.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ if TYPE_CHECKING:
     from fairfl.compose.compare.summary import SeedSummary
 
 DIRECTIONS = ("lower", "higher")
-_CLAIM_KEYS = ("claim", "run", "metric", "is", "than", "margin", "alpha")
+_CLAIM_KEYS = ("claim", "run", "metric", "is", "than", "margin", "factor", "alpha")
 DEFAULT_ALPHA = 0.05
 CI_LEVEL = 0.95
 
@@ -68,6 +79,14 @@ class Claim:
     than: str | float
     margin: float = 0.0
     alpha: float = DEFAULT_ALPHA
+    factor: float | None = None  # a ratio claim: run < baseline / factor ("lower"), run > baseline × factor
+
+    @property
+    def log_margin(self) -> float:
+        """The margin the test applies to d: `margin`, or ∓ln(factor) on the log scale of a ratio claim."""
+        if self.factor is None:
+            return self.margin
+        return (-1.0 if self.direction == "lower" else 1.0) * math.log(self.factor)
 
     @property
     def ci_level(self) -> float:
@@ -78,7 +97,10 @@ class Claim:
     def statement(self) -> str:
         """The claim as a formula, e.g. `FedEBA+ variance < FedAvg variance − 0.5`."""
         sign = "<" if self.direction == "lower" else ">"
-        margin = "" if self.margin == 0 else f" {'+' if self.margin > 0 else '−'} {abs(self.margin):g}"
+        if self.factor is not None:
+            margin = f" {'/' if self.direction == 'lower' else '×'} {self.factor:g}"
+        else:
+            margin = "" if self.margin == 0 else f" {'+' if self.margin > 0 else '−'} {abs(self.margin):g}"
         baseline = f"{self.than:g}" if self.threshold else f"{self.than} {self.metric}"
         return f"{self.run} {self.metric} {sign} {baseline}{margin}"
 
@@ -95,8 +117,8 @@ class ClaimResult:
     verdict: str  # one line a reader can act on: why it holds, or why not
     test: str  # "paired t-test", "Welch t-test", "one-sample t-test", "sign test", or "" when untestable
     n: int  # paired: common seeds; Welch: the smaller side
-    difference: float | None  # mean of run − baseline (without the margin)
-    ci: tuple[float, float] | None  # the claim's ci_level interval of that difference
+    difference: float | None  # mean of run − baseline (without the margin); a ratio claim: geometric-mean ratio
+    ci: tuple[float, float] | None  # the claim's ci_level interval of that difference (or ratio)
     p_value: float | None
     agreeing_seeds: int | None = None  # paired: seeds whose difference points the claimed way
     censored: int = 0  # seeds counted at final round + 1 (rounds_to_target only)
@@ -111,6 +133,8 @@ class ClaimResult:
             "is": c.direction,
             "than": c.than,
             "margin": c.margin,
+            "factor": c.factor,
+            "scale": "ratio" if c.factor is not None else "difference",
             "alpha": c.alpha,
             "held": self.held,
             "verdict": self.verdict,
@@ -156,6 +180,13 @@ def _claim(raw: Any, path: str, labels: Sequence[str], target_accuracy: float | 
     if raw["is"] not in DIRECTIONS:
         raise ConfigError(f"{path}.is: expected one of {', '.join(DIRECTIONS)}, got {raw['is']!r}")
     margin = _finite(raw.get("margin", 0.0), f"{path}.margin")
+    factor = None if raw.get("factor") is None else _finite(raw["factor"], f"{path}.factor")
+    if factor is not None and factor <= 0:
+        raise ConfigError(f"{path}.factor: expected a ratio > 0, e.g. 2 for 'at least twice', got {raw['factor']!r}")
+    if factor is not None and "margin" in raw:
+        raise ConfigError(f"{path}: give margin (a difference) or factor (a ratio), not both")
+    if factor is not None and isinstance(raw["than"], int | float) and raw["than"] <= 0:
+        raise ConfigError(f"{path}.than: a ratio claim needs a positive threshold, got {raw['than']!r}")
     alpha = _finite(raw.get("alpha", DEFAULT_ALPHA), f"{path}.alpha")
     if not 0 < alpha < 0.5:
         raise ConfigError(f"{path}.alpha: expected a significance level in (0, 0.5), e.g. 0.05, got {alpha!r}")
@@ -163,7 +194,7 @@ def _claim(raw: Any, path: str, labels: Sequence[str], target_accuracy: float | 
     if text is not None and (not isinstance(text, str) or not text.strip()):
         raise ConfigError(f"{path}.claim: expected the claim in words, got {text!r}")
     than = float(raw["than"]) if threshold else raw["than"]
-    claim = Claim("", raw["run"], metric, raw["is"], than, margin, alpha)
+    claim = Claim("", raw["run"], metric, raw["is"], than, margin, alpha, factor)
     return dataclasses.replace(claim, text=text or claim.statement())
 
 
@@ -198,13 +229,16 @@ def evaluate_claim(
     same data partition (then the seeds pair up). `planned`: seeds each run label should have; with fewer, the claim
     is not held yet (incomplete), whatever the partial test says."""
     mine = _values(claim.run, claim.metric, runs)
+    sides = [(claim.run, mine)]
     if isinstance(claim.than, str):
-        theirs = _values(claim.than, claim.metric, runs)
-        sides = [(claim.run, mine), (claim.than, theirs)]
-        result = _test(claim, mine, theirs, shares_partition)
-    else:
-        sides = [(claim.run, mine)]
-        result = _censoring_refusal(claim, mine, {}, None) or _threshold_test(claim, mine, claim.than)
+        sides.append((claim.than, _values(claim.than, claim.metric, runs)))
+    result = _nonpositive_refusal(claim, sides) if claim.factor is not None else None
+    if result is None:
+        result = (
+            _ratio_test(claim, sides, shares_partition)
+            if claim.factor is not None
+            else _run_test(claim, sides, shares_partition)
+        )
     missing = [
         f"{label} has {len(values)} of {planned[label]} seeds"
         for label, values in sides
@@ -215,6 +249,40 @@ def evaluate_claim(
     elif missing:
         result = dataclasses.replace(result, verdict=f"{result.verdict}; incomplete ({'; '.join(missing)})")
     return result
+
+
+def _run_test(
+    claim: Claim, sides: list[tuple[str, dict[int, tuple[float, bool]]]], shares_partition: Callable[[int], bool]
+) -> ClaimResult:
+    mine = sides[0][1]
+    if isinstance(claim.than, str):
+        return _test(claim, mine, sides[1][1], shares_partition)
+    return _censoring_refusal(claim, mine, {}, None) or _threshold_test(claim, mine, claim.than)
+
+
+def _ratio_test(
+    claim: Claim, sides: list[tuple[str, dict[int, tuple[float, bool]]]], shares_partition: Callable[[int], bool]
+) -> ClaimResult:
+    """The difference test on the logs (margin ∓ln factor), its difference and interval mapped back to a ratio."""
+    than = claim.than if isinstance(claim.than, str) else math.log(claim.than)
+    on_logs = dataclasses.replace(claim, than=than, margin=claim.log_margin)
+    logs = [(label, {s: (math.log(v), c) for s, (v, c) in values.items()}) for label, values in sides]
+    result = _run_test(on_logs, logs, shares_partition)
+    ratio = None if result.difference is None else math.exp(result.difference)
+    ci = None if result.ci is None else (math.exp(result.ci[0]), math.exp(result.ci[1]))
+    return dataclasses.replace(result, claim=claim, difference=ratio, ci=ci)
+
+
+def _nonpositive_refusal(claim: Claim, sides: list[tuple[str, dict[int, tuple[float, bool]]]]) -> ClaimResult | None:
+    for label, values in sides:
+        for seed, (value, _) in sorted(values.items()):
+            if value <= 0:
+                verdict = (
+                    f"not held: not testable as a ratio, {label} seed {seed} has {claim.metric} = {value:g} "
+                    "(a factor claim needs positive values; use a margin)"
+                )
+                return ClaimResult(claim, False, verdict, "", len(values), None, None, None)
+    return None
 
 
 def _test(

@@ -136,9 +136,10 @@ CLAIM_HEADINGS = (
 def claim_cells(c: dict[str, Any]) -> list[str]:
     """One claim's cells under CLAIM_HEADINGS, from its JSON form (ClaimResult.as_dict): the report's Claims table
     and docs/results/claims.md (scripts/results.py) print claims the same way."""
-    diff = "—" if c["difference"] is None else f"{c['difference']:.4g}"
+    times = "×" if c.get("scale") == "ratio" else ""  # a factor claim reports the ratio run / baseline
+    diff = "—" if c["difference"] is None else f"{times}{c['difference']:.4g}"
     if c.get("ci"):
-        diff += f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}] ({c['ci_level']:.0%})"
+        diff += f" [{times}{c['ci'][0]:.4g}, {times}{c['ci'][1]:.4g}] ({c['ci_level']:.0%})"
     test = f"{c['test']} ({c['n']})" if c["test"] else "—"
     agreeing = "—" if c.get("agreeing_seeds") is None else f"{c['agreeing_seeds']}/{c['n']}"
     verdict = c["verdict"]
@@ -271,6 +272,8 @@ _CLAIMS_TEXT = (
     "when every seed gives the same difference). A claim holds when p < its alpha (0.05 unless the file says) and "
     "every planned seed of both runs finished. The difference is run − baseline, without the margin, with its "
     "1 − 2·alpha interval: the claim holds exactly when the interval's end on the claimed side lies beyond the margin. "
+    "A claim with a factor F is a ratio (run < baseline / F, or > baseline × F), tested the same way on the logs of "
+    "the values; its difference is the geometric-mean ratio run / baseline (×). "
     "For rounds to the target, a seed that never reached it counts as its final round + 1 (a seed where neither run "
     "reached it is no difference); a seed where the run the claim calls faster missed it and the other reached it "
     "makes the claim not held. Each claim is tested on its own, without a correction for testing several: with many "
