@@ -363,8 +363,9 @@ def load(directory: Path) -> Loaded | None:
     return Loaded(directory, checkpoint, config, rounds, offset, pending)
 
 
-def find_unfinished(root: str | Path) -> list[Loaded]:
-    """Checkpoints under `root` of runs that had not ended, most recently saved first; unusable ones are logged."""
+def find_unfinished(root: str | Path, *, failed: bool = False) -> list[Loaded]:
+    """Checkpoints under `root` of runs that had not ended (with `failed`, and of runs that failed), most recently
+    saved first; unusable ones are logged."""
     found: list[Loaded] = []
     base = Path(root)
     if not base.is_dir():
@@ -375,7 +376,9 @@ def find_unfinished(root: str | Path) -> list[Loaded]:
         except CheckpointError as err:
             log.error("ignoring checkpoint in %s: %s", directory, err)
             continue
-        if loaded is not None and not loaded.checkpoint.finished:
+        if loaded is not None and (
+            not loaded.checkpoint.finished or (failed and loaded.checkpoint.final_state == "RUN_STATE_FAILED")
+        ):
             found.append(loaded)
     return sorted(found, key=lambda c: c.checkpoint.saved_unix, reverse=True)
 
@@ -405,9 +408,13 @@ class RunCheckpointer:
     `pending.pb` until a checkpoint covers it, so a crash while a write is in flight re-runs both that round and the
     next as they were authorised."""
 
-    def __init__(self, directory: Path, run_id: str, config: ExperimentConfig) -> None:
+    def __init__(self, directory: Path, run_id: str, config: ExperimentConfig, *, resumable_stop: bool = False) -> None:
+        """`resumable_stop`: a stopped run leaves its last completed round's checkpoint unmarked, as a crash does, so
+        it can be resumed (an in-process run interrupted by a signal: `fairfl run --resume`); by default a stop is
+        the run's end (an operator's StopRun)."""
         self.directory = directory
         self.run_id = run_id
+        self.resumable_stop = resumable_stop
         self.config_yaml = config.to_yaml()
         self.events = 0
         self.events_offset = 0
@@ -542,12 +549,14 @@ class RunCheckpointer:
         disk is (the last round written and reported), never on a round no one heard of: that checkpoint is marked
         final as it is. Returns the round and model the run ended with."""
         self.close()
+        if self.resumable_stop and state == control_pb2.RUN_STATE_STOPPED:
+            return self._on_disk(mark=None)  # every completed round is written: the checkpoint a resume starts from
         final = (control_pb2.RunState.Name(state), message)
         if self._failure is None:
             self._write(engine, final=final)  # type: ignore[arg-type]
             round_number, params = engine.completed_round, engine.params
         else:
-            round_number, params = self._mark_final_on_disk(*final)
+            round_number, params = self._on_disk(mark=final)
         if round_number > 0:
             try:
                 save_run_model(
@@ -557,12 +566,13 @@ class RunCheckpointer:
                 log.error("run %s: model file not written: %s", self.run_id, err)
         return round_number, params
 
-    def _mark_final_on_disk(self, final_state: str, final_message: str) -> tuple[int, torch.Tensor]:
-        """The checkpoint on disk, marked final; its round and model."""
+    def _on_disk(self, mark: tuple[str, str] | None) -> tuple[int, torch.Tensor]:
+        """The checkpoint on disk, marked final with `mark` (state, message) when given; its round and model."""
         checkpoint = checkpoint_pb2.Checkpoint.FromString((self.directory / CHECKPOINT_FILE).read_bytes())
-        checkpoint.finished, checkpoint.final_state, checkpoint.final_message = True, final_state, final_message
-        checkpoint.saved_unix = time.time()
-        atomic_write(self.directory / CHECKPOINT_FILE, checkpoint.SerializeToString())
+        if mark is not None:
+            checkpoint.finished, (checkpoint.final_state, checkpoint.final_message) = True, mark
+            checkpoint.saved_unix = time.time()
+            atomic_write(self.directory / CHECKPOINT_FILE, checkpoint.SerializeToString())
         return checkpoint.round, codec.tensor_from_proto(checkpoint.model).reshape(-1)
 
     # -- the checkpoint file ------------------------------------------------------------------------------------------

@@ -73,7 +73,10 @@ def dtype_name(dtype: int) -> str:
 
 def _as_torch(value: torch.Tensor | np.ndarray) -> torch.Tensor:
     if isinstance(value, np.ndarray):  # ascontiguousarray turns 0-d into 1-d: restore the shape
-        return torch.from_numpy(np.ascontiguousarray(value).reshape(value.shape))
+        array = np.ascontiguousarray(value).reshape(value.shape)
+        if not array.flags.writeable:  # e.g. np.frombuffer over bytes: torch would warn, and must never write it
+            array = array.copy()
+        return torch.from_numpy(array)
     return value
 
 

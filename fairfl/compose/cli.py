@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -19,6 +19,9 @@ from fairfl.compose.monitor import MonitorError
 from fairfl.compose.results import RunRecorder
 from fairfl.config import ConfigError, ExperimentConfig, load_experiment
 from fairfl.rpc_security import TransportSecurity, add_transport_arguments
+
+if TYPE_CHECKING:
+    from aggregator_service.checkpoint import Loaded
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -41,9 +44,12 @@ def run_inprocess(
     run_id: str,
     out_dir: Path | None = None,
     interrupts: Interrupts | None = None,
+    resume: Loaded | None = None,
 ) -> None:
     """Run in this process; with `out_dir`, the final model goes to out_dir/model.safetensors. With `interrupts`,
-    its first signal sets the engine's stop event (the round in progress is abandoned)."""
+    its first signal sets the engine's stop event (the round in progress is abandoned). With runtime.checkpoint_dir,
+    every round is checkpointed and an interrupted run's checkpoint stays resumable; `resume` (fairfl.compose.resume)
+    continues such a run, its earlier rounds passed to `recorder` first."""
     from aggregator_service.engine import RoundEngine
     from fairfl.compose.inprocess import InProcessTransport
     from fairfl.compose.local_privacy import LocalPrivacy
@@ -61,11 +67,19 @@ def run_inprocess(
         )
     except ConfigError as err:  # what the engine checks before round 1 (e.g. the model's head), as over gRPC
         raise RunNotStarted(str(err)) from None
-    if config.runtime.checkpoint_dir:  # checkpoints are written as by the aggregator (resuming needs the service)
-        from aggregator_service.checkpoint import RunCheckpointer, run_directory
+    if config.runtime.checkpoint_dir:  # checkpoints as the aggregator writes them; a signal's stop stays resumable
+        from aggregator_service.checkpoint import CheckpointError, RunCheckpointer, run_directory
 
-        engine.checkpointer = RunCheckpointer(run_directory(config.runtime.checkpoint_dir, run_id), run_id, config)
-        engine.checkpointer.start_fresh()
+        directory = run_directory(config.runtime.checkpoint_dir, run_id)
+        engine.checkpointer = RunCheckpointer(directory, run_id, config, resumable_stop=True)
+        try:
+            if resume is not None:
+                engine.checkpointer.restore(engine, resume)
+                recorder.rounds.extend(resume.rounds)
+            else:
+                engine.checkpointer.start_fresh(engine)
+        except CheckpointError as err:
+            raise RunNotStarted(str(err)) from None
     if interrupts is not None:
         interrupts.running(engine.stop.set)
     engine.run()
@@ -294,7 +308,23 @@ def _cmd_run(args: argparse.Namespace, interrupts: Interrupts) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    run_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    resume = None
+    if args.resume:
+        from fairfl.compose.resume import NothingToResume, find_resumable
+
+        if args.transport != "inprocess":
+            print(
+                "error: --resume continues an in-process run (--transport inprocess); a gRPC run resumes by itself "
+                "when its aggregator restarts with the same --checkpoint-dir (docs/reliability.md)",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            resume = find_resumable(config)
+        except NothingToResume as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    run_id = resume.run_id if resume else f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(args.output or Path(config.output_dir) / run_id)
     if args.monitor and (args.transport != "grpc" or args.aggregator):
         print(
@@ -334,7 +364,7 @@ def _cmd_run(args: argparse.Namespace, interrupts: Interrupts) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return _run(args, config, run_id, out_dir, security, interrupts)
+    return _run(args, config, run_id, out_dir, security, interrupts, resume)
 
 
 def _run(
@@ -344,18 +374,23 @@ def _run(
     out_dir: Path,
     security: TransportSecurity | None,
     interrupts: Interrupts,
+    resume: Loaded | None = None,
 ) -> int:
     """`fairfl run` once the inputs are checked; exit code 130 when a signal interrupted the run."""
     print(
         f"FairFL run {run_id}: {config.strategy.name} on {config.data.dataset}, {config.data.num_clients} clients, "
         f"{config.selection.clients_per_round}/round, {config.rounds} rounds, transport {args.transport}"
     )
+    if resume is not None:
+        print(f"resuming after round {resume.checkpoint.round} from the checkpoint in {resume.directory}/")
     recorder = RunRecorder(config)
     started = time.monotonic()
     result: dict[str, Any] = {}
 
     def extra() -> dict[str, Any]:
         out: dict[str, Any] = {"transport": args.transport, "wall_seconds": round(time.monotonic() - started, 3)}
+        if resume is not None:  # wall_seconds is this invocation's: the rounds after the checkpoint's
+            out["resumed_after_round"] = resume.checkpoint.round
         if interrupts.interrupted:
             out["interrupted"] = {"signal": interrupts.signal_name, "forced": interrupts.forced}
             if not recorder.ended:  # forced out before the run said it ended
@@ -383,6 +418,8 @@ def _run(
                 f"({summary['state']}) in {wall:.1f}s; results in {out_dir}/",
                 flush=True,
             )
+            if args.transport == "inprocess" and config.runtime.checkpoint_dir:
+                print("the run is checkpointed: the same command with --resume continues it", flush=True)
         else:
             print(f"\n{summary['state']}: {summary['message']} in {wall:.1f}s; results in {out_dir}/", flush=True)
         result.update(summary)
@@ -391,7 +428,7 @@ def _run(
 
     try:
         if args.transport == "inprocess":
-            run_inprocess(config, recorder, run_id, out_dir, interrupts)
+            run_inprocess(config, recorder, run_id, out_dir, interrupts, resume)
             finish()
         else:
             run_grpc(
@@ -480,6 +517,12 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field, e.g. --set training.lr=0.05",
     )
     run.add_argument("--output", help="results directory (default: <output_dir>/<run id>)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --transport inprocess: continue this experiment's interrupted, crashed or failed run from its "
+        "checkpoint in runtime.checkpoint_dir (bit-identical to an uninterrupted run)",
+    )
     run.add_argument("--aggregator", default="", help="use a running aggregator instead of starting services")
     run.add_argument(
         "--monitor",

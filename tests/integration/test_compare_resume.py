@@ -147,3 +147,43 @@ def test_ctrl_c_stops_the_comparison_and_resume_finishes_it(tmp_path: Path) -> N
     assert again.returncode == 0, again.stdout + again.stderr
     assert "2 runs, 1 finished before (reused), 1 to run" in again.stdout
     assert "[1/1] Slow seed 0: ok" in again.stdout
+
+
+def test_an_interrupted_pair_continues_from_its_checkpoint(tmp_path: Path) -> None:
+    """Ctrl-C in the middle of a pair, then --resume with the same file: the pair goes on from its last completed
+    round (not from round 1) and ends with the model an uninterrupted comparison's pair ends with."""
+    long = {"label": "Long", "set": {"rounds": 400, "evaluation.every": 1}, "seeds": [0]}
+    for directory in (tmp_path / "straight", tmp_path / "stopped"):
+        directory.mkdir()
+        write_comparison(directory, [long])
+    assert compare(tmp_path / "straight").returncode == 0
+    straight = tmp_path / "straight" / "report" / "long" / "seed0"
+    assert not (straight / "checkpoint").exists()  # removed once the pair completed
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    where = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        compare_cmd(), cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0
+    )
+    log = where / "report" / "long" / "seed0" / "run.log"
+    deadline = time.monotonic() + 120
+    while (log.read_text() if log.exists() else "").count("\nround ") < 20:
+        assert time.monotonic() < deadline and proc.poll() is None, "the pair never got going"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    stopped = json.loads((log.parent / "results.json").read_text())
+    assert stopped["state"] == "RUN_STATE_STOPPED" and 20 <= stopped["rounds_completed"] < 400
+
+    again = compare(where, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "[resume] Long seed 0: continuing its interrupted run from report/long/seed0/checkpoint/" in again.stdout
+    final = json.loads((log.parent / "results.json").read_text())
+    assert final["resumed_after_round"] == stopped["rounds_completed"]
+    reference = json.loads((straight / "results.json").read_text())
+    assert final["rounds_completed"] == 400
+    assert final["final_model_sha256"] == reference["final_model_sha256"]
+    assert f"resuming after round {stopped['rounds_completed']}" in log.read_text()  # appended to the first log
+    assert log.read_text().startswith("$ ")
+    assert not (log.parent / "checkpoint").exists()

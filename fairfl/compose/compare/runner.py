@@ -2,7 +2,10 @@
 
 Each pair writes into <output>/<run slug>/seed<seed>/ (experiment.yaml, run.log and the run's results). With `resume`,
 a pair whose directory already holds a finished run of the same experiment (results.json of a COMPLETED run, written by
-the same transport, next to an identical experiment.yaml) is reused as it is; every other pair runs again.
+the same transport, next to an identical experiment.yaml) is reused as it is; every other pair runs again. An
+in-process pair checkpoints every round into <run dir>/checkpoint/ (removed once it completes), so with `resume` a
+pair that was interrupted (Ctrl-C, a killed session) continues from its last completed round (`fairfl run
+--resume`, bit-identical to an uninterrupted run) instead of starting over.
 
 The `fairfl run` children run in their own sessions: a signal to the comparison (Ctrl-C) is passed on to each running
 child by `RunningChildren.signal`, so every child stops its run in order (fairfl.compose.interrupt) and writes what it
@@ -16,6 +19,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,14 +30,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
+from aggregator_service.checkpoint import CheckpointError
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
 from fairfl.compose.provenance import run_provenance
+from fairfl.compose.resume import resumable_run
+from fairfl.config import ExperimentConfig
 from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
 FINISHED_STATE = "RUN_STATE_COMPLETED"
 PROVENANCE_FILE = "provenance.json"  # the commit, machine and start of the pair's run (fairfl.compose.provenance)
+CHECKPOINT_DIR = "checkpoint"  # an in-process pair's checkpoints while it runs (runtime.checkpoint_dir)
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -140,9 +148,10 @@ def _run_one(
     transport: str,
     children: RunningChildren | None = None,
     jobs: int = 1,
+    resume: bool = False,
 ) -> SeedSummary | RunFailure | None:
     """One experiment in its own `fairfl run` subprocess, one of `jobs` at a time; its output goes to
-    <run dir>/run.log. None: cancelled before it started."""
+    <run dir>/run.log (appended to when it resumes an interrupted run). None: cancelled before it started."""
     children = children or RunningChildren()
     if children.cancel.is_set():
         return None
@@ -161,7 +170,17 @@ def _run_one(
     if transport == "inprocess" and jobs > 1 and config.runtime.inprocess_workers == "auto":
         # Each run's "auto" would take every core: `jobs` runs side by side share them instead (same results).
         cmd += ["--set", f"runtime.inprocess_workers={max(1, usable_cores() // jobs)}"]
-    with log_path.open("w") as log:
+    checkpoints = run_dir / CHECKPOINT_DIR
+    resuming = False
+    if transport == "inprocess":
+        cmd += ["--set", f"runtime.checkpoint_dir={checkpoints}"]
+        resuming = resume and _interrupted(config, checkpoints)
+        if resuming:
+            cmd += ["--resume"]
+            print(f"[resume] {run.label} seed {seed}: continuing its interrupted run from {checkpoints}/", flush=True)
+        else:
+            shutil.rmtree(checkpoints, ignore_errors=True)  # an older experiment's: never mixed into a new run
+    with log_path.open("a" if resuming else "w") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         process = children.start(cmd, log, env)
@@ -173,12 +192,22 @@ def _run_one(
             children.done(process)
     if code != 0:
         return RunFailure(run.label, seed, code, _tail(log_path), str(log_path))
+    shutil.rmtree(checkpoints, ignore_errors=True)  # completed: results.json and the model file are what is kept
     try:
         results = json.loads((run_dir / "results.json").read_text())
         summary = SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
         return dataclasses.replace(summary, revision=_revision_of(run_dir))
     except (OSError, ValueError, KeyError) as err:
         return RunFailure(run.label, seed, code, f"unusable results.json: {err}\n{_tail(log_path)}", str(log_path))
+
+
+def _interrupted(config: ExperimentConfig, checkpoints: Path) -> bool:
+    """Whether `checkpoints` holds an unfinished run of this experiment to resume."""
+    try:
+        at = dataclasses.replace(config.runtime, checkpoint_dir=str(checkpoints))
+        return resumable_run(dataclasses.replace(config, runtime=at)) is not None
+    except (CheckpointError, OSError, ValueError):  # unreadable: not resumed, the pair runs again from the start
+        return False
 
 
 def run_comparison(
@@ -214,7 +243,7 @@ def run_comparison(
         nonlocal done
         run, seed = item
         t = time.monotonic()
-        outcome = _run_one(spec, run, seed, output_dir, transport, children, jobs)
+        outcome = _run_one(spec, run, seed, output_dir, transport, children, jobs, resume)
         if outcome is None:
             return None
         with lock:
