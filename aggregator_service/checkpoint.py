@@ -87,6 +87,7 @@ class RoundEngine(Protocol):
 
 
 FORMAT_VERSION = 1
+AGGREGATOR, INPROCESS = "aggregator", "inprocess"  # who wrote a checkpoint (Loaded.origin)
 CHECKPOINT_FILE = "checkpoint.pb"
 EVENTS_FILE = "rounds.log"
 PENDING_FILE = "pending.pb"
@@ -329,6 +330,15 @@ class Loaded:
         return self.checkpoint.run_id
 
     @property
+    def origin(self) -> str:
+        """Who wrote it: "aggregator" (the service) or "inprocess" (`fairfl run --transport inprocess`); each
+        resumes only its own, since their privacy gates keep their ledgers in different places."""
+        try:
+            return str(json.loads(self.checkpoint.state_json).get("origin", AGGREGATOR))
+        except (ValueError, AttributeError):
+            return AGGREGATOR
+
+    @property
     def pending(self) -> checkpoint_pb2.PendingRound | None:
         """The round after the checkpoint's, when it was authorised."""
         return self.pending_rounds[0] if self.pending_rounds else None
@@ -363,9 +373,9 @@ def load(directory: Path) -> Loaded | None:
     return Loaded(directory, checkpoint, config, rounds, offset, pending)
 
 
-def find_unfinished(root: str | Path, *, failed: bool = False) -> list[Loaded]:
-    """Checkpoints under `root` of runs that had not ended (with `failed`, and of runs that failed), most recently
-    saved first; unusable ones are logged."""
+def find_unfinished(root: str | Path, *, origin: str = AGGREGATOR, failed: bool = False) -> list[Loaded]:
+    """Checkpoints under `root` written by `origin` of runs that had not ended (with `failed`, and of runs that
+    failed), most recently saved first; unusable ones are logged."""
     found: list[Loaded] = []
     base = Path(root)
     if not base.is_dir():
@@ -376,9 +386,9 @@ def find_unfinished(root: str | Path, *, failed: bool = False) -> list[Loaded]:
         except CheckpointError as err:
             log.error("ignoring checkpoint in %s: %s", directory, err)
             continue
-        if loaded is not None and (
-            not loaded.checkpoint.finished or (failed and loaded.checkpoint.final_state == "RUN_STATE_FAILED")
-        ):
+        if loaded is None or loaded.origin != origin:
+            continue
+        if not loaded.checkpoint.finished or (failed and loaded.checkpoint.final_state == "RUN_STATE_FAILED"):
             found.append(loaded)
     return sorted(found, key=lambda c: c.checkpoint.saved_unix, reverse=True)
 
@@ -408,13 +418,13 @@ class RunCheckpointer:
     `pending.pb` until a checkpoint covers it, so a crash while a write is in flight re-runs both that round and the
     next as they were authorised."""
 
-    def __init__(self, directory: Path, run_id: str, config: ExperimentConfig, *, resumable_stop: bool = False) -> None:
-        """`resumable_stop`: a stopped run leaves its last completed round's checkpoint unmarked, as a crash does, so
-        it can be resumed (an in-process run interrupted by a signal: `fairfl run --resume`); by default a stop is
-        the run's end (an operator's StopRun)."""
+    def __init__(self, directory: Path, run_id: str, config: ExperimentConfig, *, origin: str = AGGREGATOR) -> None:
+        """`origin` INPROCESS (`fairfl run --transport inprocess`): a stop (a signal) leaves the last completed round's
+        checkpoint unmarked, as a crash does, and a failure marks that checkpoint final as it is on disk, so either
+        resumes bit-identically (`fairfl run --resume`); the aggregator's own stop is the run's end (StopRun)."""
         self.directory = directory
         self.run_id = run_id
-        self.resumable_stop = resumable_stop
+        self.origin = origin
         self.config_yaml = config.to_yaml()
         self.events = 0
         self.events_offset = 0
@@ -549,9 +559,11 @@ class RunCheckpointer:
         disk is (the last round written and reported), never on a round no one heard of: that checkpoint is marked
         final as it is. Returns the round and model the run ended with."""
         self.close()
-        if self.resumable_stop and state == control_pb2.RUN_STATE_STOPPED:
-            return self._on_disk(mark=None)  # every completed round is written: the checkpoint a resume starts from
         final = (control_pb2.RunState.Name(state), message)
+        if self.origin == INPROCESS and state != control_pb2.RUN_STATE_COMPLETED:
+            # Every completed round is on disk: that checkpoint, not the engine's state mid-round, is what a resume
+            # must start from (a stop stays unmarked, as after a crash).
+            return self._on_disk(mark=None if state == control_pb2.RUN_STATE_STOPPED else final)
         if self._failure is None:
             self._write(engine, final=final)  # type: ignore[arg-type]
             round_number, params = engine.completed_round, engine.params
@@ -577,8 +589,7 @@ class RunCheckpointer:
 
     # -- the checkpoint file ------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _state(engine: RoundEngine) -> dict[str, Any]:
+    def _state(self, engine: RoundEngine) -> dict[str, Any]:
         return {
             "strategy": engine.strategy.state_dict(),
             "dp": engine.dp.state_dict() if engine.dp is not None else None,
@@ -587,6 +598,7 @@ class RunCheckpointer:
             "selection": _component_state(getattr(engine, "selection", None)),  # the engine's selection driver
             "failed_rounds": engine.failed_rounds,
             "rng": _rng_state(),
+            "origin": self.origin,
         }
 
     def _write(self, engine: RoundEngine, final: tuple[str, str] | None = None) -> None:

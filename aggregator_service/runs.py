@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from aggregator_service.checkpoint import CheckpointError, Loaded, load, run_directory
+from aggregator_service.checkpoint import AGGREGATOR, CheckpointError, Loaded, load, run_directory
 from aggregator_service.engine import RoundEngine
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
 from fairfl.rpc import CHUNK_BYTES
@@ -67,6 +67,12 @@ class RunManager:
             raise RunStartError(str(err)) from err
         if loaded is None:
             return None
+        if loaded.origin != AGGREGATOR:
+            raise RunStartError(
+                f"run {run_id!r} has a checkpoint in {loaded.directory} written by an in-process run (its privacy "
+                "ledger is in the checkpoint, not in the privacy service): resume it with `fairfl run --transport "
+                "inprocess --resume`, or use a new run id"
+            )
         ckpt = loaded.checkpoint
         if ckpt.finished and ckpt.final_state != "RUN_STATE_FAILED":
             raise KeyError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -67,28 +68,44 @@ def run_inprocess(
         )
     except ConfigError as err:  # what the engine checks before round 1 (e.g. the model's head), as over gRPC
         raise RunNotStarted(str(err)) from None
-    if config.runtime.checkpoint_dir:  # checkpoints as the aggregator writes them; a signal's stop stays resumable
-        from aggregator_service.checkpoint import CheckpointError, RunCheckpointer, run_directory
-
-        directory = run_directory(config.runtime.checkpoint_dir, run_id)
-        engine.checkpointer = RunCheckpointer(directory, run_id, config, resumable_stop=True)
-        try:
-            if resume is not None:
-                engine.checkpointer.restore(engine, resume)
-                recorder.rounds.extend(resume.rounds)
-            else:
-                engine.checkpointer.start_fresh(engine)
-        except CheckpointError as err:
-            raise RunNotStarted(str(err)) from None
-    if interrupts is not None:
-        interrupts.running(engine.stop.set)
-    engine.run()
-    if interrupts is not None:
-        interrupts.run_ended()
+    with contextlib.ExitStack() as held:
+        if config.runtime.checkpoint_dir:  # the aggregator's checkpoints; a signal's stop or a failure stays resumable
+            _checkpoint(engine, recorder, run_id, resume, held)
+        if interrupts is not None:
+            interrupts.running(engine.stop.set)
+        engine.run()
+        if interrupts is not None:
+            interrupts.run_ended()
     if out_dir is not None:
         from fairfl.compose.model_cmd import MODEL_FILE_NAME, save_final_model
 
         save_final_model(out_dir / MODEL_FILE_NAME, config, run_id, recorder.rounds, engine=engine)
+
+
+def _checkpoint(
+    engine: Any, recorder: RunRecorder, run_id: str, resume: Loaded | None, held: contextlib.ExitStack
+) -> None:
+    """Checkpoint the in-process engine's run under runtime.checkpoint_dir (held by this process while it runs),
+    starting from `resume`'s checkpoint when given."""
+    from aggregator_service.checkpoint import INPROCESS, CheckpointError, RunCheckpointer, run_directory
+    from fairfl.compose.resume import run_lock
+
+    directory = run_directory(engine.config.runtime.checkpoint_dir, run_id)
+    try:
+        held.enter_context(run_lock(directory))
+        engine.checkpointer = RunCheckpointer(directory, run_id, engine.config, origin=INPROCESS)
+        if resume is None:
+            engine.checkpointer.start_fresh(engine)
+            return
+        engine.checkpointer.restore(engine, resume)
+    except CheckpointError as err:
+        raise RunNotStarted(str(err)) from None
+    except (KeyError, ValueError, TypeError, RuntimeError) as err:  # state this code cannot load (changed since)
+        raise RunNotStarted(
+            f"cannot resume run {run_id!r} from {directory}/: {type(err).__name__}: {err} (the code changed since it "
+            "was written?); delete that directory to start the run over"
+        ) from None
+    recorder.rounds.extend(resume.rounds)
 
 
 def follow_run(control: Any, run_id: str, on_event: Callable[[Any], None], reconnect_s: float = 300.0) -> None:
@@ -389,8 +406,9 @@ def _run(
 
     def extra() -> dict[str, Any]:
         out: dict[str, Any] = {"transport": args.transport, "wall_seconds": round(time.monotonic() - started, 3)}
-        if resume is not None:  # wall_seconds is this invocation's: the rounds after the checkpoint's
+        if resume is not None:  # wall_seconds: this invocation's, plus the earlier ones' round times
             out["resumed_after_round"] = resume.checkpoint.round
+            out["wall_seconds"] = round(out["wall_seconds"] + sum(r.duration_seconds for r in resume.rounds), 3)
         if interrupts.interrupted:
             out["interrupted"] = {"signal": interrupts.signal_name, "forced": interrupts.forced}
             if not recorder.ended:  # forced out before the run said it ended
@@ -418,7 +436,8 @@ def _run(
                 f"({summary['state']}) in {wall:.1f}s; results in {out_dir}/",
                 flush=True,
             )
-            if args.transport == "inprocess" and config.runtime.checkpoint_dir:
+            resumable = summary["state"] != "RUN_STATE_COMPLETED"
+            if args.transport == "inprocess" and config.runtime.checkpoint_dir and resumable:
                 print("the run is checkpointed: the same command with --resume continues it", flush=True)
         else:
             print(f"\n{summary['state']}: {summary['message']} in {wall:.1f}s; results in {out_dir}/", flush=True)

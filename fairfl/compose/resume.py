@@ -10,16 +10,22 @@ this way (`fairfl compare --resume`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from aggregator_service.checkpoint import CheckpointError, Loaded, find_unfinished
+from aggregator_service.checkpoint import INPROCESS, CheckpointError, Loaded, find_unfinished
 from fairfl.config import ExperimentConfig
 
-# How a run executes, not what it computes (results are bit-identical for any value): a resume may change them, e.g.
-# a comparison resumed with another --jobs gives its runs another worker count.
-EXECUTION_FIELDS = ("inprocess_workers", "threads_per_agent", "checkpoint_dir")
+# How a run executes, not what it computes (the final model is bit-identical for any worker count): a resume may change
+# them, e.g. a comparison resumed with another --jobs gives its runs another worker count. threads_per_agent is not
+# one: torch's kernels sum in another order with more threads.
+EXECUTION_FIELDS = ("inprocess_workers", "checkpoint_dir")
+LOCK_FILE = "run.lock"
 
 
 class NothingToResume(Exception):
@@ -39,13 +45,13 @@ def same_experiment(a: ExperimentConfig, b: ExperimentConfig) -> bool:
     return _computation(a) == _computation(b)
 
 
-def resumable_run(config: ExperimentConfig) -> Loaded | None:
-    """The newest checkpoint under `config.runtime.checkpoint_dir` of an unfinished (interrupted, crashed or failed)
-    run of this experiment, with `config` as its config; None when there is none."""
+def resumable_run(config: ExperimentConfig, *, failed: bool = True) -> Loaded | None:
+    """The newest checkpoint under `config.runtime.checkpoint_dir` that an in-process run of this experiment left
+    unfinished (interrupted or crashed; with `failed`, or failed), with `config` as its config; None when none."""
     root = config.runtime.checkpoint_dir
     if not root:
         return None
-    for loaded in find_unfinished(root, failed=True):
+    for loaded in find_unfinished(root, origin=INPROCESS, failed=failed):
         if same_experiment(loaded.config, config):
             return dataclasses.replace(loaded, config=config)
     return None
@@ -64,10 +70,48 @@ def find_resumable(config: ExperimentConfig) -> Loaded:
     except CheckpointError as err:
         raise NothingToResume(str(err)) from None
     if loaded is None:
-        others = len(find_unfinished(root, failed=True)) if Path(root).is_dir() else 0
+        others = len(find_unfinished(root, origin=INPROCESS, failed=True)) if Path(root).is_dir() else 0
         hint = f"; {others} unfinished run(s) there are of other experiments" if others else ""
         raise NothingToResume(
             f"no unfinished run of this experiment under runtime.checkpoint_dir {root!r} (a run that completed is "
             f"not resumed; the config must match the interrupted run's){hint}"
         )
     return loaded
+
+
+@contextlib.contextmanager
+def run_lock(directory: Path) -> Iterator[None]:
+    """Hold the run's checkpoint directory for this process: a second process resuming the same run (a comparison
+    resumed while an orphaned child still runs it) is refused instead of writing the same files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise CheckpointError(
+                f"run {directory.name!r} is running in process {holder} (its checkpoints in {directory}/); stop it "
+                "first, or start a new run"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def running_elsewhere(root: Path) -> str | None:
+    """The process id (as written in its lock) of a process that holds a run under checkpoint root `root`, else None."""
+    for lock in sorted(root.glob(f"*/{LOCK_FILE}")) if root.is_dir() else []:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        finally:
+            os.close(fd)
+    return None

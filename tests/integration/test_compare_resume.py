@@ -178,7 +178,12 @@ def test_an_interrupted_pair_continues_from_its_checkpoint(tmp_path: Path) -> No
 
     again = compare(where, "--resume")
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "[resume] Long seed 0: continuing its interrupted run from report/long/seed0/checkpoint/" in again.stdout
+    assert (
+        f"[resume] Long seed 0: continuing its interrupted run after round {stopped['rounds_completed']} from "
+        "report/long/seed0/checkpoint/"
+    ) in again.stdout
+    provenance = json.loads((log.parent / "provenance.json").read_text())
+    assert provenance["resumed"][0]["after_round"] == stopped["rounds_completed"]  # both invocations recorded
     final = json.loads((log.parent / "results.json").read_text())
     assert final["resumed_after_round"] == stopped["rounds_completed"]
     reference = json.loads((straight / "results.json").read_text())

@@ -10,16 +10,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from aggregator_service.checkpoint import find_unfinished
+from aggregator_service.checkpoint import CheckpointError, find_unfinished
 from fairfl.compose.cli import run_inprocess
+from fairfl.compose.inprocess import InProcessTransport
+from fairfl.compose.interrupt import Interrupts
 from fairfl.compose.results import RunRecorder
-from fairfl.compose.resume import find_resumable, resumable_run, same_experiment
+from fairfl.compose.resume import find_resumable, resumable_run, run_lock, running_elsewhere, same_experiment
 from fairfl.config import ExperimentConfig, experiment_from_dict
 from fairfl.v1 import control_pb2
 
@@ -57,84 +60,132 @@ def config(checkpoints: Path, **changes: Any) -> ExperimentConfig:
     return experiment_from_dict(raw)
 
 
-class StopAfter(RunRecorder):
-    """A recorder that sets the engine's stop event once `rounds` rounds are reported (a deterministic Ctrl-C)."""
+def in_round(
+    monkeypatch: pytest.MonkeyPatch, round_number: int, action: Callable[[], None], phase: str = "train"
+) -> None:
+    """Call `action` once, as round `round_number`'s `phase` tasks (train, evaluate) are about to run. Training: after
+    the round was authorised (and written to pending.pb), before any result, so a resume must replay it. Evaluation:
+    after the round's aggregate changed the engine's state (model, strategy), before the round completed."""
+    original = InProcessTransport.execute
+    fired: list[bool] = []
 
-    def __init__(self, cfg: ExperimentConfig, rounds: int) -> None:
-        super().__init__(cfg, quiet=True)
-        self.after = rounds
-        self.stop: Any = None
+    def execute(self: InProcessTransport, tasks: list[Any], *args: Any, **kwargs: Any) -> Any:
+        if tasks and tasks[0].round == round_number and tasks[0].HasField(phase) and not fired:
+            fired.append(True)
+            action()
+        return original(self, tasks, *args, **kwargs)
 
-    def __call__(self, event: control_pb2.RunEvent) -> None:
-        super().__call__(event)
-        if event.HasField("round") and len(self.rounds) >= self.after and self.stop is not None:
-            self.stop()
+    monkeypatch.setattr(InProcessTransport, "execute", execute)
 
 
-def run_to_end(cfg: ExperimentConfig, run_id: str) -> RunRecorder:
+class Stopper(Interrupts):
+    """The engine's stop as the first Ctrl-C sets it, without installing signal handlers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop: Callable[[], None] = lambda: None
+
+    def running(self, stop: Callable[[], None]) -> None:
+        self.stop = stop
+
+    def run_ended(self) -> None:
+        pass
+
+
+def run_to_end(cfg: ExperimentConfig, run_id: str, resume: Any = None) -> RunRecorder:
     recorder = RunRecorder(cfg, quiet=True)
-    run_inprocess(cfg, recorder, run_id)
+    run_inprocess(cfg, recorder, run_id, resume=resume)
     assert recorder.status is not None and recorder.status.state == control_pb2.RUN_STATE_COMPLETED
     return recorder
 
 
-def stopped_after(cfg: ExperimentConfig, run_id: str, rounds: int) -> RunRecorder:
-    from fairfl.compose.interrupt import Interrupts
-
-    recorder = StopAfter(cfg, rounds)
-
-    class Stopper(Interrupts):  # the engine's stop, as the first Ctrl-C sets it, without installing handlers
-        def running(self, stop: Any) -> None:
-            recorder.stop = stop
-
-        def run_ended(self) -> None:
-            pass
-
-    run_inprocess(cfg, recorder, run_id, interrupts=Stopper())
-    assert recorder.status is not None and recorder.status.state == control_pb2.RUN_STATE_STOPPED
-    return recorder
-
-
-def digest(recorder: RunRecorder) -> list[tuple[int, str, float]]:
-    return [(r.round, r.model_sha256, r.epsilon_spent) for r in recorder.rounds]
+def digest(recorder: RunRecorder) -> list[tuple[int, str, float, float]]:
+    """Every round's model, ε and (evaluated rounds) mean client accuracy."""
+    return [(r.round, r.model_sha256, r.epsilon_spent, r.fairness.mean) for r in recorder.rounds]
 
 
 HICS = {"selection": {"method": "hics", "clients_per_round": 3, "params": {"temperature": 0.01}}}
+MOMENTUM = {"strategy": {"name": "fedavg", "params": {"server_momentum": 0.9}}}  # cross-round strategy state
 
 
 @pytest.mark.parametrize(
     ("extra", "privacy"),
-    [({}, False), (DP, True), (HICS, False)],
-    ids=["fedavg", "record-level-dp", "hics-fl-sampler-state"],
+    [({}, False), (DP, True), (HICS, False), (MOMENTUM, False)],
+    ids=["fedavg", "record-level-dp", "hics-fl-sampler-state", "server-momentum"],
 )
 def test_a_stopped_run_resumes_to_the_uninterrupted_runs_model(
-    tmp_path: Path, extra: dict[str, Any], privacy: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any], privacy: bool
 ) -> None:
     straight = run_to_end(config(tmp_path / "a", **extra), "straight")
     cfg = config(tmp_path / "b", **extra)
-    first = stopped_after(cfg, "interrupted", 3)
-    assert 3 <= len(first.rounds) < cfg.rounds
-    loaded = resumable_run(cfg)
-    assert loaded is not None and loaded.run_id == "interrupted"
-    assert loaded.checkpoint.round == len(first.rounds)  # the last completed round, not marked final
-    assert not loaded.checkpoint.finished
+    stopper = Stopper()
+    in_round(monkeypatch, 4, lambda: stopper.stop())
+    first = RunRecorder(cfg, quiet=True)
+    run_inprocess(cfg, first, "interrupted", interrupts=stopper)
+    assert first.status is not None and first.status.state == control_pb2.RUN_STATE_STOPPED
+    assert len(first.rounds) == 3
+    monkeypatch.undo()
 
+    loaded = resumable_run(cfg)
+    assert loaded is not None and loaded.run_id == "interrupted" and loaded.origin == "inprocess"
+    assert loaded.checkpoint.round == 3 and not loaded.checkpoint.finished  # the last completed round, unmarked
+    assert [r.round for r in loaded.pending_rounds] == [4]  # authorised before the stop: replayed as authorised
     # Resumed with another worker count (how it runs, not what it computes): still the same experiment.
     resumed_cfg = config(tmp_path / "b", runtime={"inprocess_workers": 1}, **extra)
-    resume = find_resumable(resumed_cfg)
-    second = RunRecorder(resumed_cfg, quiet=True)
-    run_inprocess(resumed_cfg, second, "interrupted", resume=resume)
-    assert second.status is not None and second.status.state == control_pb2.RUN_STATE_COMPLETED
-    assert digest(second) == digest(straight)  # every round's model and ε, earlier rounds included
+    second = run_to_end(resumed_cfg, "interrupted", resume=find_resumable(resumed_cfg))
+    assert digest(second) == digest(straight)  # every round's model, ε and accuracy, earlier rounds included
     if privacy:
         assert second.rounds[-1].epsilon_spent > 0
     assert resumable_run(resumed_cfg) is None  # completed: nothing left to resume
-    assert find_unfinished(tmp_path / "b", failed=True) == []
+    assert find_unfinished(tmp_path / "b", origin="inprocess", failed=True) == []
+
+
+def test_a_failed_run_resumes_from_its_last_completed_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    straight = run_to_end(config(tmp_path / "a", **MOMENTUM), "straight")
+    cfg = config(tmp_path / "b", **MOMENTUM)
+
+    def fail() -> None:
+        raise MemoryError("injected in round 4's evaluation")
+
+    in_round(monkeypatch, 4, fail, phase="evaluate")  # the momentum already moved: that state must not be resumed
+    first = RunRecorder(cfg, quiet=True)
+    run_inprocess(cfg, first, "failed")
+    assert first.status is not None and first.status.state == control_pb2.RUN_STATE_FAILED
+    monkeypatch.undo()
+    assert resumable_run(cfg, failed=False) is None  # a comparison re-runs a failed pair; `--resume` may go on
+    loaded = find_resumable(cfg)
+    assert loaded.checkpoint.finished and loaded.checkpoint.round == 3  # the disk's last round, not the failed one
+    assert digest(run_to_end(cfg, "failed", resume=loaded)) == digest(straight)
+
+
+def test_an_aggregator_never_resumes_an_in_process_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their privacy gates keep the ledger in different places: either side resuming the other's checkpoint would
+    lose the privacy spend so far."""
+    from aggregator_service.runs import RunManager, RunStartError
+
+    cfg = config(tmp_path, **DP)
+    stopper = Stopper()
+    in_round(monkeypatch, 3, lambda: stopper.stop())
+    run_inprocess(cfg, RunRecorder(cfg, quiet=True), "local", interrupts=stopper)
+    assert find_unfinished(tmp_path, origin="inprocess") and not find_unfinished(tmp_path)  # default: aggregator's
+    manager = RunManager(lambda *a: pytest.fail("no engine may be made"), checkpoint_dir=str(tmp_path))
+    with pytest.raises(RunStartError, match="written by an in-process run"):
+        manager.start(cfg, "local")
+
+
+def test_a_run_in_progress_holds_its_checkpoints(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    with run_lock(directory):
+        assert running_elsewhere(tmp_path) == str(os.getpid())
+        with pytest.raises(CheckpointError, match=f"is running in process {os.getpid()}"), run_lock(directory):
+            pass
+    assert running_elsewhere(tmp_path) is None
 
 
 def test_resume_matches_the_experiment_not_the_execution(tmp_path: Path) -> None:
     a = config(tmp_path)
-    assert same_experiment(a, config(tmp_path / "elsewhere", runtime={"inprocess_workers": 1, "threads_per_agent": 2}))
+    assert same_experiment(a, config(tmp_path / "elsewhere", runtime={"inprocess_workers": 1}))
+    assert not same_experiment(a, config(tmp_path, runtime={"threads_per_agent": 2}))  # kernels sum in another order
     assert not same_experiment(a, config(tmp_path, rounds=8))
     assert not same_experiment(a, config(tmp_path, runtime={"device": "cuda"}))
 

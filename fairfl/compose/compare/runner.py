@@ -34,7 +34,7 @@ from aggregator_service.checkpoint import CheckpointError
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
 from fairfl.compose.provenance import run_provenance
-from fairfl.compose.resume import resumable_run
+from fairfl.compose.resume import resumable_run, running_elsewhere
 from fairfl.config import ExperimentConfig
 from fairfl.cores import usable_cores
 
@@ -111,9 +111,15 @@ def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
 
 
 def _revision_of(run_dir: Path) -> str | None:
-    """The commit that ran the pair, from its provenance.json (revision.txt before that file existed)."""
+    """The commit that ran the pair, from its provenance.json (revision.txt before that file existed); a pair resumed
+    at other commits names them all ("A, resumed after round 120 at B")."""
     try:
-        return str(json.loads((run_dir / PROVENANCE_FILE).read_text())["revision"])
+        provenance = json.loads((run_dir / PROVENANCE_FILE).read_text())
+        revision = str(provenance["revision"])
+        for later in provenance.get("resumed", []):
+            if later["revision"] != revision:
+                revision += f", resumed after round {later['after_round']} at {later['revision']}"
+        return revision
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
@@ -151,45 +157,46 @@ def _run_one(
     resume: bool = False,
 ) -> SeedSummary | RunFailure | None:
     """One experiment in its own `fairfl run` subprocess, one of `jobs` at a time; its output goes to
-    <run dir>/run.log (appended to when it resumes an interrupted run). None: cancelled before it started."""
+    <run dir>/run.log (appended to when it continues an interrupted run). None: cancelled before it started."""
     children = children or RunningChildren()
     if children.cancel.is_set():
         return None
     run_dir = _run_dir(output_dir, run, seed)
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = run_dir / CHECKPOINT_DIR
+    holder = running_elsewhere(checkpoints)
+    if holder is not None:  # e.g. an orphaned child of a comparison that was killed: never two writers, never rmtree
+        message = f"process {holder} is still running this pair (checkpoints in {checkpoints}/); stop it, then resume"
+        return RunFailure(run.label, seed, 2, message, str(run_dir / "run.log"))
     (run_dir / "results.json").unlink(missing_ok=True)  # never read a previous invocation's results
     experiment = run_dir / "experiment.yaml"
     config = spec.experiment(run, seed)
     experiment.write_text(config.to_yaml())
-    (run_dir / PROVENANCE_FILE).write_text(json.dumps(run_provenance(time.time()), indent=2) + "\n")
-    log_path = run_dir / "run.log"
-    repo_root = str(Path(__file__).resolve().parents[3])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "fairfl.compose", "run", str(experiment), "--transport", transport]
     cmd += ["--output", str(run_dir)]
     if transport == "inprocess" and jobs > 1 and config.runtime.inprocess_workers == "auto":
         # Each run's "auto" would take every core: `jobs` runs side by side share them instead (same results).
         cmd += ["--set", f"runtime.inprocess_workers={max(1, usable_cores() // jobs)}"]
-    checkpoints = run_dir / CHECKPOINT_DIR
-    resuming = False
-    if transport == "inprocess":
-        cmd += ["--set", f"runtime.checkpoint_dir={checkpoints}"]
-        resuming = resume and _interrupted(config, checkpoints)
-        if resuming:
-            cmd += ["--resume"]
-            print(f"[resume] {run.label} seed {seed}: continuing its interrupted run from {checkpoints}/", flush=True)
-        else:
-            shutil.rmtree(checkpoints, ignore_errors=True)  # an older experiment's: never mixed into a new run
-    with log_path.open("a" if resuming else "w") as log:
-        log.write(f"$ {shlex.join(cmd)}\n")
-        log.flush()
-        process = children.start(cmd, log, env)
-        if process is None:
-            return None
-        try:
-            code = process.wait()
-        finally:
-            children.done(process)
+    if transport == "inprocess":  # JSON quoting: YAML would read a '#' or ': ' in the path as syntax
+        cmd += ["--set", f"runtime.checkpoint_dir={json.dumps(str(checkpoints))}"]
+    interrupted = _interrupted(config, checkpoints) if resume and transport == "inprocess" else None
+    keep_log = interrupted is not None
+    if interrupted is not None:
+        print(
+            f"[resume] {run.label} seed {seed}: continuing its interrupted run after round {interrupted} from "
+            f"{checkpoints}/",
+            flush=True,
+        )
+        code = _start([*cmd, "--resume"], run_dir, children, interrupted)
+        if code == 2:  # its checkpoint cannot be resumed (the child said why, in the log): run it over
+            print(f"[resume] {run.label} seed {seed}: could not resume (see its run.log); starting over", flush=True)
+            interrupted = None
+    if interrupted is None:
+        shutil.rmtree(checkpoints, ignore_errors=True)  # an older experiment's: never mixed into a new run
+        code = _start(cmd, run_dir, children, keep_log=keep_log)
+    if code is None:
+        return None
+    log_path = run_dir / "run.log"
     if code != 0:
         return RunFailure(run.label, seed, code, _tail(log_path), str(log_path))
     shutil.rmtree(checkpoints, ignore_errors=True)  # completed: results.json and the model file are what is kept
@@ -201,13 +208,45 @@ def _run_one(
         return RunFailure(run.label, seed, code, f"unusable results.json: {err}\n{_tail(log_path)}", str(log_path))
 
 
-def _interrupted(config: ExperimentConfig, checkpoints: Path) -> bool:
-    """Whether `checkpoints` holds an unfinished run of this experiment to resume."""
+def _start(
+    cmd: list[str], run_dir: Path, children: RunningChildren, after_round: int | None = None, keep_log: bool = False
+) -> int | None:
+    """Run one `fairfl run` child to its end: its exit code (None: cancelled). A fresh run writes a new run.log
+    (`keep_log`: appended, after a resume that failed) and provenance.json; continuing one (`after_round`) appends to
+    both, so they keep the whole run's history."""
+    provenance = run_provenance(time.time())
+    path = run_dir / PROVENANCE_FILE
+    if after_round is not None:
+        try:
+            earlier = json.loads(path.read_text())
+            earlier.setdefault("resumed", []).append({**provenance, "after_round": after_round})
+            provenance = earlier
+        except (OSError, ValueError, AttributeError):  # none or unreadable: this invocation's stands alone
+            pass
+    path.write_text(json.dumps(provenance, indent=2) + "\n")
+    repo_root = str(Path(__file__).resolve().parents[3])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+    with (run_dir / "run.log").open("a" if after_round is not None or keep_log else "w") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        process = children.start(cmd, log, env)
+        if process is None:
+            return None
+        try:
+            return process.wait()
+        finally:
+            children.done(process)
+
+
+def _interrupted(config: ExperimentConfig, checkpoints: Path) -> int | None:
+    """The last completed round of an interrupted (or crashed) run of this experiment in `checkpoints`, else None (a
+    failed run is run over, not resumed: its failure would most likely repeat)."""
     try:
         at = dataclasses.replace(config.runtime, checkpoint_dir=str(checkpoints))
-        return resumable_run(dataclasses.replace(config, runtime=at)) is not None
+        loaded = resumable_run(dataclasses.replace(config, runtime=at), failed=False)
     except (CheckpointError, OSError, ValueError):  # unreadable: not resumed, the pair runs again from the start
-        return False
+        return None
+    return None if loaded is None else loaded.checkpoint.round
 
 
 def run_comparison(
