@@ -48,7 +48,7 @@ def test_extra_metrics_come_from_the_final_rounds() -> None:
     for r in plain["rounds"]:
         r["strategy_metrics"] = []
     extra = SeedSummary.from_results("FedAvg", 0, plain).extra
-    assert extra == {"psi": None, "psi_tail": None, "psi_test": None, "epsilon": None}
+    assert extra == {"psi": None, "psi_tail": None, "psi_before_tail": None, "psi_test": None, "epsilon": None}
 
 
 def test_table_and_markdown_show_psi_and_the_ledger_epsilon(tmp_path: Path) -> None:

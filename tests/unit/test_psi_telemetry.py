@@ -103,6 +103,8 @@ def test_fedeba_family_rows_carry_psi(tmp_path: Path, name: str, params: dict[st
         assert got["psi"] > 0 and got["psi_before"] > 0
     assert summary.extra["psi"] == metrics(rounds[-1])["psi"]
     assert summary.extra["psi_tail"] is not None
+    # Ψ at the global model: the mean over the evaluated rounds (both here) of the engine's psi_before
+    assert summary.extra["psi_before_tail"] == pytest.approx(sum(metrics(e)["psi_before"] for e in rounds) / 2)
     assert summary.extra["psi_test"] is not None and summary.extra["psi_test"] > 0
 
 

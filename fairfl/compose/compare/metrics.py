@@ -11,6 +11,9 @@ from fairfl.compose.results import FAIRNESS_COLUMNS
 EXTRA_METRICS = (
     ("psi", "Ψ (final round)", "e"),
     ("psi_tail", "Ψ (mean, last 5 evaluations)", "e"),
+    # The same over the round's clients' losses at the global model, before their local steps (psi_before): the
+    # global model's fairness, where Ψ after local training also measures how far each client fits its own data.
+    ("psi_before_tail", "Ψ at the global model (mean, last 5 evaluations)", "e"),
     ("psi_test", "Ψ_test (global model)", "e"),
     ("epsilon", "ε spent (ledger)", "f4"),
     # Runs that cluster clients on a partition with true groups (Equitable-FL): NMI of found clusters vs true groups.

@@ -69,8 +69,10 @@ def _strategy_metric(round_: dict[str, Any], name: str) -> float | None:
 
 
 def _extra_metrics(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Ψ (final evaluated round and mean of the last PSI_TAIL) and the ledger's ε after the final round."""
+    """Ψ (final evaluated round and mean of the last PSI_TAIL; at the global model: psi_before), Ψ_test and the
+    ledger's ε after the final round."""
     tail = [v for r in rounds[-PSI_TAIL:] if (v := _strategy_metric(r, "psi")) is not None]
+    before = [v for r in rounds[-PSI_TAIL:] if (v := _strategy_metric(r, "psi_before")) is not None]
     eps = rounds[-1].get("epsilon_spent")
     final_psi = _strategy_metric(rounds[-1], "psi")
     psi_test = None
@@ -84,6 +86,7 @@ def _extra_metrics(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
     return {
         "psi": final_psi,
         "psi_tail": statistics.fmean(tail) if tail else None,
+        "psi_before_tail": statistics.fmean(before) if before else None,
         "psi_test": psi_test,
         "epsilon": float(eps) if eps is not None else None,
     }
