@@ -221,7 +221,9 @@ def render_markdown(
         lines.append(
             "Ψ is FedFDP's fairness measure as its reference code reports it: the p-weighted variance of the clients' "
             "losses on their own training data after local training (strategy metric `psi`; experiment telemetry, not "
-            "a DP release). Ψ_test is Eq. 7 on the final global model: the variance of the clients' test losses, "
+            "a DP release). Ψ at the global model is the same over those clients' losses before their local steps "
+            "(strategy metric `psi_before`, at the model the round started from). Ψ_test is Eq. 7 on the final global "
+            "model: the variance of the clients' test losses, "
             "weighted by test samples. ε spent is what the privacy ledger recorded after the final round: the largest "
             "over principals (clients, or the federation), recomputed from the stored events."
         )
