@@ -404,4 +404,5 @@ def test_compare_jobs_share_the_cores(
     assert runner._run_one(spec, spec.runs[0], 0, tmp_path / "out", "inprocess", children, jobs) is None
     (cmd,) = commands
     sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
-    assert sets == ([flag] if flag else [])
+    checkpoints = tmp_path / "out" / "fedavg" / "seed0" / "checkpoint"  # every in-process pair checkpoints (resume)
+    assert sets == [*([flag] if flag else []), f'runtime.checkpoint_dir="{checkpoints}"']
