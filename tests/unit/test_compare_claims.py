@@ -317,11 +317,16 @@ def test_the_readme_claims_example_loads_and_is_tested(tmp_path: Path) -> None:
         "FedEBA+ variance < FedAvg variance",
         "FedEBA+ mean > FedAvg mean − 0.5",
         "Equitable-FL nmi_all_groups > 0.9",
+        "FedEBA+ variance < FedAvg variance / 2",
     ]
     runs = [seed("FedEBA+", i, v) for i, v in enumerate([40.0, 52.0, 47.0, 44.0, 50.0])]
     runs += [seed("FedAvg", i, v) for i, v in enumerate([61.0, 70.0, 58.0, 66.0, 72.0])]
     result = evaluate_claim(spec.claims[0], runs, lambda s: True, {"FedEBA+": 5, "FedAvg": 5})
     assert result.held and result.test == "paired t-test"
+    halved = evaluate_claim(spec.claims[3], runs, lambda s: True, {"FedEBA+": 5, "FedAvg": 5})
+    ratios = [a / b for a, b in zip([40.0, 52.0, 47.0, 44.0, 50.0], [61.0, 70.0, 58.0, 66.0, 72.0], strict=True)]
+    geometric_mean = math.exp(sum(map(math.log, ratios)) / 5)  # ~0.71: lower, but not halved
+    assert not halved.held and halved.difference == pytest.approx(geometric_mean)
 
 
 def test_the_report_row_says_how_many_runs_were_counted_at_final_round_plus_one() -> None:
