@@ -16,7 +16,8 @@ help:
 	@echo "make monitor      make run, with a local Prometheus scraping every process (docs/observability.md)"
 	@echo "make test         run the test suite (unit + integration)"
 	@echo "make bench        run scripts/bench_*.py, write docs/benchmarks.md (BENCH_QUICK=1: smoke pass to runs/bench/)"
-	@echo "make results      re-run every committed result into docs/results (hours; RESULTS_ONLY=name,... for some)"
+	@echo "make results      re-run every committed result into docs/results (hours; RESULTS_ONLY=name,... for some,"
+	@echo "                  RESULTS_SINCE=COMMIT to re-run what ran before that commit)"
 	@echo "make lint         ruff check, format check and the import-linter layer contracts (pyproject.toml)"
 	@echo "make protos       regenerate the gRPC stubs from protos/"
 	@echo "make setup        create $(VENV) and install dependencies and the dataset"
@@ -78,7 +79,7 @@ bench: setup
 # Every committed comparison re-run from this commit into docs/results, resuming what an earlier call finished; then
 # docs/results/claims.md indexes every claim held or not (scripts/results.py). Long: not part of `make test`.
 results: setup
-	$(PY) scripts/results.py $(if $(RESULTS_ONLY),--only $(RESULTS_ONLY))
+	$(PY) scripts/results.py $(if $(RESULTS_ONLY),--only $(RESULTS_ONLY)) $(if $(RESULTS_SINCE),--since $(RESULTS_SINCE))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

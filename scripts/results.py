@@ -38,7 +38,13 @@ sys.path.insert(0, str(REPO))
 
 from fairfl.compose.compare import load_comparison  # noqa: E402
 from fairfl.compose.compare.report import CLAIM_HEADINGS, claim_cells  # noqa: E402
-from fairfl.compose.provenance import revision_text, run_provenance, source_revision  # noqa: E402
+from fairfl.compose.provenance import (  # noqa: E402
+    descends_from,
+    resolve_commit,
+    revision_text,
+    run_provenance,
+    source_revision,
+)
 from fairfl.config import ConfigError, load_experiment  # noqa: E402
 from fairfl.schema import expect_mapping  # noqa: E402
 
@@ -65,12 +71,12 @@ class Entry:
     def output(self) -> Path:
         return RESULTS / self.name
 
-    def command(self) -> list[str]:
+    def command(self, since: str | None = None) -> list[str]:
         if self.compare:
             cmd = ["fairfl", "compare", self.compare, "--output", str(self.output)]
             cmd += ["--jobs", str(self.jobs)] if self.jobs else []
             cmd += ["--transport", self.transport] if self.transport else []
-            return [*cmd, "--resume"]
+            return [*cmd, "--resume", *(["--since", since] if since else [])]
         cmd = ["fairfl", "run", str(self.run), "--output", str(self.output)]
         cmd += ["--transport", self.transport] if self.transport else []
         for key, value in self.overrides:
@@ -134,11 +140,27 @@ def prune(entry: Entry) -> list[Path]:
     return removed
 
 
-def run_entry(entry: Entry) -> int:
-    """Run one entry as its own process (its Ctrl-C handling is fairfl's); the exit status."""
+def ran_since(entry: Entry, since: str | None) -> bool:
+    """Whether a run entry's folder holds a successful run of its command at commit `since` or later."""
+    if since is None or entry.compare:
+        return False
+    try:
+        record = json.loads((entry.output / "provenance.json").read_text())
+    except (OSError, ValueError):
+        return False
+    same = record.get("command") == shlex.join(entry.command())
+    return same and record.get("exit_code") == 0 and descends_from(record.get("revision"), since)
+
+
+def run_entry(entry: Entry, since: str | None = None) -> int:
+    """Run one entry as its own process (its Ctrl-C handling is fairfl's); the exit status. With `since`, reuse what
+    ran at that commit or later (a comparison's pairs, or a run entry's whole run)."""
     for path in prune(entry):
         print(f"removed {path} (no longer in {entry.compare})", flush=True)
-    cmd = entry.command()
+    if ran_since(entry, since):
+        print(f"\n=== {entry.name}: ran at or after {since[:12]} before, reused", flush=True)
+        return 0
+    cmd = entry.command(since)
     print(f"\n=== {entry.name}: {shlex.join(cmd)}", flush=True)
     argv = [sys.executable, "-m", "fairfl.compose", *cmd[1:]]
     if entry.run:
@@ -204,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the entries and exit")
     parser.add_argument("--index", action="store_true", help="only rewrite docs/results/claims.md")
     parser.add_argument("--allow-dirty", action="store_true", help="run from a checkout with uncommitted changes")
+    parser.add_argument(
+        "--since",
+        metavar="COMMIT",
+        help="reuse only results that ran at COMMIT or a later commit (every other run runs again); default: reuse "
+        "every finished run of the same experiment",
+    )
     args = parser.parse_args(argv)
     os.chdir(REPO)  # the manifest's paths, and the ones reports print, are relative to the repository
     try:
@@ -237,9 +265,16 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        since = None
+        if args.since:
+            try:
+                since = resolve_commit(args.since)
+            except ValueError as err:
+                print(f"error: --since: {err}", file=sys.stderr)
+                return 2
         print(f"re-running {len(chosen)} result(s) at {revision_text(revision)}", flush=True)
         for entry in chosen:
-            code = run_entry(entry)
+            code = run_entry(entry, since)
             if code in STOPPED_BY_SIGNAL:
                 print(f"interrupted in {entry.name}; run the same command again to go on", file=sys.stderr)
                 return code

@@ -71,6 +71,26 @@ def machine_description() -> dict[str, Any]:
     return info
 
 
+def resolve_commit(ref: str) -> str:
+    """The full sha of commit `ref` in this checkout; ValueError naming it when there is none."""
+    try:
+        return _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    except (OSError, subprocess.SubprocessError):
+        raise ValueError(f"{ref!r} is not a commit of this checkout ({REPO_ROOT})") from None
+
+
+def descends_from(revision: str | None, ancestor: str) -> bool:
+    """Whether a result's recorded revision is commit `ancestor` or a later one on its line. A `+dirty` or unknown
+    revision never is: no commit holds the code it ran."""
+    if not revision or revision == "unknown" or revision.endswith("+dirty"):
+        return False
+    try:
+        _git("merge-base", "--is-ancestor", ancestor, revision)
+    except (OSError, subprocess.SubprocessError):  # exit 1: not an ancestor; other errors: an unknown commit
+        return False
+    return True
+
+
 def _git(*args: str) -> str:
     done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=True)
     return done.stdout.strip()

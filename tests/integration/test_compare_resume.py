@@ -192,3 +192,32 @@ def test_an_interrupted_pair_continues_from_its_checkpoint(tmp_path: Path) -> No
     assert f"resuming after round {stopped['rounds_completed']}" in log.read_text()  # appended to the first log
     assert log.read_text().startswith("$ ")
     assert not (log.parent / "checkpoint").exists()
+
+
+def test_since_runs_again_what_ran_before_that_commit(tmp_path: Path) -> None:
+    import subprocess as sp
+
+    git = ["git", "-C", str(REPO)]
+    head = sp.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    root = sp.run([*git, "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True, check=True)
+    oldest = root.stdout.split()[0]
+    if oldest == head:
+        pytest.skip("needs a repository with more than one commit (a shallow clone has one)")
+    write_comparison(tmp_path, RUNS[:1])
+    assert compare(tmp_path).returncode == 0
+    report_dir = tmp_path / "report" / "fedavg"
+    for seed, revision in ((0, head), (1, oldest)):  # as if seed 1 had run on the first commit's code
+        provenance = report_dir / f"seed{seed}" / "provenance.json"
+        provenance.write_text(json.dumps({**json.loads(provenance.read_text()), "revision": revision}))
+    again = compare(tmp_path, "--resume", "--since", head)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "2 runs, 1 finished before (reused), 1 to run" in again.stdout
+    assert "[resume] FedAvg seed 0: finished before, reused" in again.stdout
+    assert "[1/1] FedAvg seed 1: ok" in again.stdout
+    md = (tmp_path / "report" / "comparison.md").read_text()
+    assert f"--resume --since {head}" in md
+
+    refused = compare(tmp_path, "--since", head)
+    assert refused.returncode == 2 and "--since picks which finished runs --resume reuses" in refused.stderr
+    unknown = compare(tmp_path, "--resume", "--since", "no-such-commit")
+    assert unknown.returncode == 2 and "--since: 'no-such-commit' is not a commit of this checkout" in unknown.stderr

@@ -172,3 +172,43 @@ def test_a_child_killed_by_a_signal_is_a_failure_not_success() -> None:
     kill = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     assert results._call([sys.executable, "-c", kill]) == 137  # 128 + 9, as a shell reports it
     assert results._call([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+def test_since_reuses_only_what_ran_at_that_commit_or_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shlex
+    import subprocess
+
+    from fairfl.compose.provenance import descends_from, resolve_commit
+
+    head = resolve_commit("HEAD")
+    root = subprocess.run(
+        ["git", "rev-list", "--max-parents=0", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    assert descends_from(head, root) and descends_from(head, head)
+    assert descends_from(root, head) == (root == head)
+    assert not descends_from(f"{head}+dirty", root) and not descends_from("unknown", root)
+    with pytest.raises(ValueError, match="'no-such-commit' is not a commit of this checkout"):
+        resolve_commit("no-such-commit")
+
+    monkeypatch.chdir(tmp_path)
+    manifest = [
+        {"name": "cmp", "compare": "tiny.compare.yaml"},
+        {"name": "one", "run": "base.yaml", "set": {"rounds": 1}},
+    ]
+    cmp, one = results.load_manifest(federation(tmp_path, manifest))
+    assert cmp.command(head)[-3:] == ["--resume", "--since", head]  # a comparison's pairs: fairfl compare decides
+    one.output.mkdir(parents=True)
+
+    def ran(revision: str, exit_code: int = 0, command: str = shlex.join(one.command())) -> None:
+        record = {"command": command, "revision": revision, "exit_code": exit_code}
+        (one.output / "provenance.json").write_text(json.dumps(record))
+
+    ran(head)
+    assert results.ran_since(one, root) and results.ran_since(one, head)
+    assert not results.ran_since(one, None)  # without --since a run entry always runs again
+    ran(head, exit_code=1)
+    assert not results.ran_since(one, root)
+    ran(head, command="fairfl run other.yaml")
+    assert not results.ran_since(one, root)
+    ran(root)
+    assert results.ran_since(one, head) == (root == head)

@@ -13,6 +13,7 @@ from fairfl.compose.compare.report import write_report
 from fairfl.compose.compare.runner import RunningChildren, run_comparison
 from fairfl.compose.compare.spec import TRANSPORTS, int_at_least, load_comparison, slugify
 from fairfl.compose.interrupt import EXIT_INTERRUPTED, STOP_WAIT_S, Interrupted, Interrupts
+from fairfl.compose.provenance import resolve_commit
 from fairfl.config import ConfigError
 
 
@@ -35,6 +36,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--seeds", ",".join(map(str, args.seeds))]
     if getattr(args, "resume", False):
         parts.append("--resume")
+    if getattr(args, "since", None):
+        parts += ["--since", args.since]
     return shlex.join(parts)
 
 
@@ -68,6 +71,16 @@ def _compare(args: argparse.Namespace, interrupts: Interrupts) -> int:
     except ConfigError as err:
         print(f"error: {args.comparison}: {err}", file=sys.stderr)
         return 2
+    since = None
+    if args.since is not None:
+        if not args.resume:
+            print("error: --since picks which finished runs --resume reuses: give it with --resume", file=sys.stderr)
+            return 2
+        try:
+            since = resolve_commit(args.since)
+        except ValueError as err:
+            print(f"error: --since: {err}", file=sys.stderr)
+            return 2
     if args.output:
         output_dir = Path(args.output)
     elif args.resume:
@@ -86,7 +99,9 @@ def _compare(args: argparse.Namespace, interrupts: Interrupts) -> int:
     children = RunningChildren()
     interrupts.running(lambda: children.signal(_signal_number(interrupts.signal_name)))
     interrupts.on_force(children.force)
-    result = run_comparison(spec, output_dir, args.jobs, args.transport, resume=args.resume, children=children)
+    result = run_comparison(
+        spec, output_dir, args.jobs, args.transport, resume=args.resume, since=since, children=children
+    )
     interrupts.run_ended()
     table = write_report(result, output_dir, command_line(args))
     print()
@@ -123,5 +138,11 @@ def add_compare_parser(sub: Any) -> None:
         action="store_true",
         help="reuse the (run, seed) pairs an earlier invocation finished in the output directory (--output, default: "
         "the newest runs/compare-<name>-*) and run only the others",
+    )
+    p.add_argument(
+        "--since",
+        metavar="COMMIT",
+        help="with --resume: reuse only the pairs that ran at COMMIT or a later commit (e.g. the one that changed how "
+        "results are computed); older ones run again",
     )
     p.set_defaults(func=cmd_compare)

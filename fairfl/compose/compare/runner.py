@@ -33,7 +33,7 @@ from typing import IO
 from aggregator_service.checkpoint import CheckpointError
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
-from fairfl.compose.provenance import run_provenance
+from fairfl.compose.provenance import descends_from, run_provenance
 from fairfl.compose.resume import resumable_run, running_elsewhere
 from fairfl.config import ExperimentConfig
 from fairfl.cores import usable_cores
@@ -110,30 +110,52 @@ def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
     return output_dir / run.slug / f"seed{seed}"
 
 
-def _revision_of(run_dir: Path) -> str | None:
-    """The commit that ran the pair, from its provenance.json (revision.txt before that file existed); a pair resumed
-    at other commits names them all ("A, resumed after round 120 at B")."""
+def _revisions(run_dir: Path) -> list[tuple[str, int]]:
+    """(commit, the round it went on after) of every invocation that ran the pair, from its provenance.json
+    (revision.txt before that file existed); empty when none is recorded."""
     try:
         provenance = json.loads((run_dir / PROVENANCE_FILE).read_text())
-        revision = str(provenance["revision"])
-        for later in provenance.get("resumed", []):
-            if later["revision"] != revision:
-                revision += f", resumed after round {later['after_round']} at {later['revision']}"
-        return revision
+        first = [(str(provenance["revision"]), 0)]
+        return first + [(str(r["revision"]), int(r["after_round"])) for r in provenance.get("resumed", [])]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
-        return (run_dir / "revision.txt").read_text().strip() or None
+        revision = (run_dir / "revision.txt").read_text().strip()
+        return [(revision, 0)] if revision else []
     except OSError:  # a pair finished before revisions were recorded
+        return []
+
+
+def _revision_of(run_dir: Path) -> str | None:
+    """The commit that ran the pair; a pair resumed at other commits names them all ("A, resumed after round 120 at
+    B")."""
+    revisions = _revisions(run_dir)
+    if not revisions:
         return None
+    text = revisions[0][0]
+    for commit, after in revisions[1:]:
+        if commit != revisions[0][0]:
+            text += f", resumed after round {after} at {commit}"
+    return text
+
+
+def _ran_since(run_dir: Path, since: str | None) -> bool:
+    """Whether every invocation that ran the pair ran at commit `since` or later (always, without `since`)."""
+    if since is None:
+        return True
+    revisions = _revisions(run_dir)
+    return bool(revisions) and all(descends_from(commit, since) for commit, _ in revisions)
 
 
 def finished_before(
-    spec: ComparisonSpec, run: RunSpec, seed: int, output_dir: Path, transport: str
+    spec: ComparisonSpec, run: RunSpec, seed: int, output_dir: Path, transport: str, since: str | None = None
 ) -> SeedSummary | None:
     """The pair's results from an earlier invocation when they can stand in for running it again: a COMPLETED run of
-    the identical experiment (experiment.yaml), over the same transport, whose results.json the report can read."""
+    the identical experiment (experiment.yaml), over the same transport, whose results.json the report can read (and,
+    with `since`, that ran at that commit or a later one)."""
     run_dir = _run_dir(output_dir, run, seed)
+    if not _ran_since(run_dir, since):
+        return None
     try:
         if (run_dir / "experiment.yaml").read_text() != spec.experiment(run, seed).to_yaml():
             return None
@@ -155,9 +177,11 @@ def _run_one(
     children: RunningChildren | None = None,
     jobs: int = 1,
     resume: bool = False,
+    since: str | None = None,
 ) -> SeedSummary | RunFailure | None:
     """One experiment in its own `fairfl run` subprocess, one of `jobs` at a time; its output goes to
-    <run dir>/run.log (appended to when it continues an interrupted run). None: cancelled before it started."""
+    <run dir>/run.log (appended to when it continues an interrupted run, one that ran since `since`). None: cancelled
+    before it started."""
     children = children or RunningChildren()
     if children.cancel.is_set():
         return None
@@ -179,7 +203,8 @@ def _run_one(
         cmd += ["--set", f"runtime.inprocess_workers={max(1, usable_cores() // jobs)}"]
     if transport == "inprocess":  # JSON quoting: YAML would read a '#' or ': ' in the path as syntax
         cmd += ["--set", f"runtime.checkpoint_dir={json.dumps(str(checkpoints))}"]
-    interrupted = _interrupted(config, checkpoints) if resume and transport == "inprocess" else None
+    resumable = resume and transport == "inprocess" and _ran_since(run_dir, since)
+    interrupted = _interrupted(config, checkpoints) if resumable else None
     keep_log = interrupted is not None
     if interrupted is not None:
         print(
@@ -256,12 +281,13 @@ def run_comparison(
     transport: str | None = None,
     *,
     resume: bool = False,
+    since: str | None = None,
     children: RunningChildren | None = None,
 ) -> ComparisonResult:
     """Run every (run, seed) of the spec, at most `jobs` at a time; a failure is recorded, the others still finish.
-    `resume`: reuse the pairs an earlier invocation finished in `output_dir` (finished_before). `children`: the
-    running subprocesses, for a caller that passes signals on (RunningChildren.signal); pairs it cancelled before
-    they started are neither runs nor failures of the result."""
+    `resume`: reuse the pairs an earlier invocation finished in `output_dir` (finished_before; with `since`, only
+    those that ran at that commit or later). `children`: the running subprocesses, for a caller that passes signals
+    on (RunningChildren.signal); pairs it cancelled before they started are neither runs nor failures of the result."""
     jobs = jobs or spec.jobs
     transport = transport or spec.transport
     children = children or RunningChildren()
@@ -270,7 +296,7 @@ def run_comparison(
     reused: dict[tuple[str, int], SeedSummary] = {}
     if resume:
         for run, seed in pairs:
-            previous = finished_before(spec, run, seed, output_dir, transport)
+            previous = finished_before(spec, run, seed, output_dir, transport, since)
             if previous is not None:
                 reused[(run.label, seed)] = previous
     work = [(run, seed) for run, seed in pairs if (run.label, seed) not in reused]
@@ -282,7 +308,7 @@ def run_comparison(
         nonlocal done
         run, seed = item
         t = time.monotonic()
-        outcome = _run_one(spec, run, seed, output_dir, transport, children, jobs, resume)
+        outcome = _run_one(spec, run, seed, output_dir, transport, children, jobs, resume, since)
         if outcome is None:
             return None
         with lock:
