@@ -325,22 +325,11 @@ def _cmd_run(args: argparse.Namespace, interrupts: Interrupts) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    resume = None
-    if args.resume:
-        from fairfl.compose.resume import NothingToResume, find_resumable
-
-        if args.transport != "inprocess":
-            print(
-                "error: --resume continues an in-process run (--transport inprocess); a gRPC run resumes by itself "
-                "when its aggregator restarts with the same --checkpoint-dir (docs/reliability.md)",
-                file=sys.stderr,
-            )
-            return 2
-        try:
-            resume = find_resumable(config)
-        except NothingToResume as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+    try:
+        resume = _resumed_run(args, config) if args.resume else None
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     run_id = resume.run_id if resume else f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir = Path(args.output or Path(config.output_dir) / run_id)
     if args.monitor and (args.transport != "grpc" or args.aggregator):
@@ -382,6 +371,21 @@ def _cmd_run(args: argparse.Namespace, interrupts: Interrupts) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return _run(args, config, run_id, out_dir, security, interrupts, resume)
+
+
+def _resumed_run(args: argparse.Namespace, config: ExperimentConfig) -> Loaded:
+    """`--resume`: the checkpoint of this experiment's interrupted in-process run; ValueError saying why none."""
+    from fairfl.compose.resume import NothingToResume, find_resumable
+
+    if args.transport != "inprocess":
+        raise ValueError(
+            "--resume continues an in-process run (--transport inprocess); a gRPC run resumes by itself when its "
+            "aggregator restarts with the same --checkpoint-dir (docs/reliability.md)"
+        )
+    try:
+        return find_resumable(config)
+    except NothingToResume as err:
+        raise ValueError(str(err)) from None
 
 
 def _run(
