@@ -42,6 +42,12 @@ class BlobStore:
         with self._lock:
             return self._blobs.get(sha256)
 
+    def newest(self, count: int) -> list[tuple[str, torch.Tensor]]:
+        """The newest `count` blobs' (sha256, flat float32 tensor), oldest first."""
+        with self._lock:
+            kept = list(self._blobs.items())[-count:]
+        return [(sha256, flat) for sha256, (_, flat) in kept]
+
     def clear(self) -> None:
         with self._lock:
             self._blobs.clear()

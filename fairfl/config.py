@@ -273,6 +273,10 @@ class RuntimeConfig:
     # number of clients; on a GPU always 1. Results are bit-identical for any count, as long as client code draws
     # randomness only from the task's seed (a user model or procedure using torch's global RNG needs 1).
     inprocess_workers: int | Literal["auto"] = "auto"
+    # What the in-process workers are: forked processes (each shares the run's data copy-on-write and trains without
+    # waiting for another's GIL: the fast choice on a CPU) or threads of the run's process. auto: processes when there
+    # is more than one worker on the CPU and the OS can fork, else threads. The results are the same bits either way.
+    inprocess_pool: Literal["auto", "threads", "processes"] = "auto"
     # Per-client Prometheus series (accuracy, loss) only for client ids below this, so label cardinality stays bounded.
     metrics_client_limit: int = 100
     # Dropouts (docs/reliability.md): select ceil(k * (1 + over_selection)) clients and aggregate the first k results.

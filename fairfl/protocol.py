@@ -98,6 +98,16 @@ def encode_upload(result: ClientResult, layout: ParamLayout, with_sha256: bool =
     return framing.framed_header_data(header.SerializeToString(), buffers)
 
 
+def result_header_and_payload(
+    result: ClientResult, layout: ParamLayout
+) -> tuple[federation_pb2.ResultHeader, list[memoryview]]:
+    """The result's header (without a sha256) and its payload bytes, one view per payload in header order, as an
+    UploadResult carries them: for a channel that authenticates and delivers every byte itself (the in-process
+    transport's worker pipes). Raises CodecError as encode_result does."""
+    header, buffers, _ = _header_and_payload(result, layout, sha256_in_trailer=False, with_sha256=False)
+    return header, buffers
+
+
 def _header_and_payload(
     result: ClientResult, layout: ParamLayout, sha256_in_trailer: bool, with_sha256: bool = True
 ) -> tuple[federation_pb2.ResultHeader, list[memoryview], codec.StreamDigest]:

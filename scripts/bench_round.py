@@ -25,8 +25,9 @@ Runs of the same experiment, one after another:
 - gRPC with one agent process and one thread, when the experiment has more: one training thread, so the ratio
   shows the platform's own cost rather than what a second agent on a second core buys (reported; the acceptance
   figure is the preset as it is).
-- in-process: `fairfl run --transport inprocess` (the same engine and client code in one process, the round's clients
-  trained by runtime.inprocess_workers worker threads of one torch thread each: auto, one per usable core).
+- in-process: `fairfl run --transport inprocess` (the same engine and client code without a network, the round's
+  clients trained by runtime.inprocess_workers workers of one torch thread each: auto, one per usable core, forked
+  worker processes (runtime.inprocess_pool: auto); its CPU figure includes theirs).
 - plain loop: the physical floor, written here with plain torch in one process, run with one torch thread and with
   one per core (the faster one counts): the same model, the same data partition (fairfl.data), the same clients each
   round (those the gRPC run selected), the same local steps, batch size, lr and batch order (the trainer's task
@@ -305,7 +306,8 @@ class Pair:
 
 
 def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
-    """`fairfl run --transport inprocess`: (arrival of each round event, process CPU then, round events)."""
+    """`fairfl run --transport inprocess`: (arrival of each round event, CPU of the process and its worker processes
+    then, round events)."""
     from fairfl.compose.cli import run_inprocess
 
     arrivals: list[float] = []
@@ -315,7 +317,7 @@ def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
     def on_event(event: Any) -> None:
         if event.HasField("round"):
             arrivals.append(time.perf_counter())
-            cpu.append(time.process_time())
+            cpu.append(time.process_time() + benchlib.children_cpu_seconds())  # with its worker processes'
             rounds.append(event.round)
 
     run_inprocess(config, on_event, f"bench-inprocess-{int(time.time())}")  # type: ignore[arg-type]
@@ -618,18 +620,20 @@ def bench_preset(
         else "in the last round only"
     )
     selected = config.selection.clients_per_round
-    from fairfl.compose.inprocess import worker_count
+    from fairfl.compose.inprocess import pool_kind, worker_count
 
     inprocess_workers = worker_count(
         config.runtime.inprocess_workers, config.runtime.threads_per_agent, config.data.num_clients, torch.device("cpu")
     )
+    inprocess_pool = pool_kind(config.runtime.inprocess_pool, inprocess_workers, torch.device("cpu"))
+    worker_kind = "process" if inprocess_pool == "processes" else "thread"
     shown = preset.config.relative_to(benchlib.REPO) if preset.config.is_relative_to(benchlib.REPO) else preset.config
     notes = [
         f"{label} ({shown}): "
         f"{config.data.num_clients} clients, {selected} per round, {config.training.local_steps} local steps of "
         f"batch {config.training.batch_size}; gRPC: {setup} ({agents * threads} threads training in parallel on "
-        f"{cores} cores), mutual TLS, a checkpoint every round, /metrics on every process; in-process: one process, "
-        f"{inprocess_workers} worker thread(s) x 1 torch thread; plain loop: the faster of "
+        f"{cores} cores), mutual TLS, a checkpoint every round, /metrics on every process; in-process: "
+        f"{inprocess_workers} worker {worker_kind}(s) x 1 torch thread; plain loop: the faster of "
         f"{' and '.join(str(t) for t in sorted(middle.loops))} torch "
         f"threads ({floor_setup} in the median pair).",
         f"{label}: the ideal parallel floor is the one-thread plain loop's per-client work, summed over each round's "

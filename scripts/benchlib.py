@@ -189,6 +189,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime (fields 14 and 15 of stat)
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU time of this process's live children (the in-process transport's worker processes)."""
+    pid = os.getpid()
+    children: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                children += [int(c) for c in fh.read().split()]
+        except OSError:
+            continue
+    return sum(cpu_seconds(child) for child in children)
+
+
 def peak_rss_bytes(pid: int) -> int | None:
     """The resident-set high-water mark of a live process (VmHWM), None when it cannot be read."""
     value = _first_line(f"/proc/{pid}/status", "VmHWM")

@@ -1,15 +1,17 @@
 """In-process transport: the same engine, strategies and client code without a network (oracle and fast path).
 
-A round's clients train on a pool of worker threads (runtime.inprocess_workers), each with its own ClientRuntime:
-its own model, optimiser state and device cache, over one copy of the run's data that every worker shares. torch
-releases the GIL inside its kernels, so two workers with one torch thread each keep two cores busy. A phase without a
-quorum runs free, as over gRPC: every task is queued at once and each worker passes its accepted result to
-`on_result` (the engine's streaming fold, order-independent and thread-safe) as soon as it is done, so no worker
-waits for a slower one and no third thread folds; the phase's results are listed in client-id order, and a task's
-exception is raised once the phase's tasks have ended (the lowest failing client id's). With a quorum, results are
-handled in client-id order on the calling thread, so the quorum counts the lowest client ids' results, as the
-serial loop does. A stop ends the phase: no task starts after it. Each task reads only its own seeded generators,
-so the final model is bit-identical for any worker count (and to the gRPC path).
+A round's clients train on a pool of workers (runtime.inprocess_workers), each with its own ClientRuntime: its own
+model, optimiser state and device cache, over one copy of the run's data. The workers are forked processes
+(runtime.inprocess_pool: processes, what `auto` picks on a CPU with more than one worker where fork exists:
+fairfl.compose.worker_processes), which share the data copy-on-write and never wait for each other's GIL, or threads
+in this process (`threads`), which share the data outright but hand the GIL back and forth around every torch call.
+Either way one thread here drives each worker. A phase without a quorum runs free, as over gRPC: every task is queued
+at once and each worker's accepted result goes to `on_result` (the engine's streaming fold, order-independent and
+thread-safe) as soon as it is done, so no worker waits for a slower one; the phase's results are listed in client-id
+order, and a task's exception is raised once the phase's tasks have ended (the lowest failing client id's). With a
+quorum, results are handled in client-id order on the calling thread, so the quorum counts the lowest client ids'
+results, as the serial loop does. A stop ends the phase: no task starts after it. Each task reads only its own seeded
+generators, so the final model is bit-identical for any worker count and either pool (and to the gRPC path).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
@@ -27,6 +29,7 @@ from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from client_agent.trainer import ClientRuntime, LocalData, resolve_device
 from fairfl.codec import CodecError
+from fairfl.compose.worker_processes import WorkerProcess, WorkerRefused, fork_available
 from fairfl.config import ExperimentConfig
 from fairfl.cores import usable_cores
 from fairfl.data import load_run_data
@@ -35,9 +38,20 @@ from fairfl.protocol import ClientResult, as_received, check_against_task, check
 from fairfl.v1 import federation_pb2, tensor_pb2
 
 Workers = int | Literal["auto"]
+TASKS_PER_PROCESS = 2  # tasks queued in a worker process at once (see start_run)
+Pool = Literal["auto", "threads", "processes"]
 
-# A task's outcome as a worker hands it back: the result, and whether the wire checks accepted it.
-_Done = tuple[ClientResult, bool]
+# A task's outcome as a worker hands it back: the result (None when the wire refused it), and whether it was accepted.
+_Done = tuple[ClientResult | None, bool]
+
+
+def pool_kind(requested: Pool, workers: int, device: torch.device) -> Literal["threads", "processes"]:
+    """`requested`, or for "auto" processes where they help (more than one worker, on the CPU, fork available)."""
+    if requested == "processes" and not fork_available():
+        raise RuntimeError("runtime.inprocess_pool: processes needs the fork start method, which this OS lacks")
+    if requested != "auto":
+        return requested
+    return "processes" if workers > 1 and device.type == "cpu" and fork_available() else "threads"
 
 
 def worker_count(requested: Workers, threads: int, num_clients: int, device: torch.device) -> int:
@@ -50,17 +64,25 @@ def worker_count(requested: Workers, threads: int, num_clients: int, device: tor
 
 
 class InProcessTransport(ClientTransport):
-    def __init__(self, device: str = "cpu", threads: int = 1, workers: Workers | None = None) -> None:
-        """`workers`: the pool size (see worker_count); None: the run config's runtime.inprocess_workers."""
+    def __init__(
+        self, device: str = "cpu", threads: int = 1, workers: Workers | None = None, pool: Pool | None = None
+    ) -> None:
+        """`workers`: the pool size (see worker_count), `pool`: threads or processes (see pool_kind); None: the run
+        config's runtime.inprocess_workers and runtime.inprocess_pool."""
         # Small models train fastest on one thread; several threads per process oversubscribe a few cores.
         # Process-wide: every worker's kernels use `threads` torch threads.
         torch.set_num_threads(threads)
         self.device = device
         self.threads = threads
         self.workers = workers
+        self.pool = pool
         self.blobs = BlobStore()
-        self.runtimes: list[ClientRuntime] = []  # one per worker; runtimes[0] also answers clients and layout
-        self._idle: queue.SimpleQueue[ClientRuntime] = queue.SimpleQueue()  # runtimes no task is using
+        # One per worker thread; runtimes[0] also answers clients and layout (with worker processes it is the only one
+        # here, and trains nothing).
+        self.runtimes: list[ClientRuntime] = []
+        self.processes: list[WorkerProcess] = []
+        self.worker_slots = 0  # tasks that can run or wait in a worker at once
+        self._idle: queue.SimpleQueue[ClientRuntime | WorkerProcess] = queue.SimpleQueue()  # workers no task is using
         self._pool: ThreadPoolExecutor | None = None  # None: one worker, tasks run on the calling thread
         self.layout: ParamLayout | None = None
         self.stop = threading.Event()  # the run's stop event (from wait_for_clients): a phase ends at the next client
@@ -74,19 +96,37 @@ class InProcessTransport(ClientTransport):
         federated = load_run_data(config)
         device = resolve_device(self.device)
         self.layout = layout
-        self.payload_dtype = layout.with_payload_dtype(config.transport.update_dtype).payload_dtype
+        wire_layout = layout.with_payload_dtype(config.transport.update_dtype)
+        self.payload_dtype = wire_layout.payload_dtype
         clients = list(range(federated.num_clients))
         requested = config.runtime.inprocess_workers if self.workers is None else self.workers
         count = worker_count(requested, self.threads, len(clients), device)
-        # Built once and shared: on the CPU every runtime's tensors are views of these arrays (no copy per worker).
+        kind = pool_kind(config.runtime.inprocess_pool if self.pool is None else self.pool, count, device)
+        # Built once and shared: on the CPU every runtime's tensors are views of these arrays (no copy per worker; a
+        # worker process shares them copy-on-write).
         data = LocalData.of_simulation(federated, clients)
-        self.runtimes = [ClientRuntime(config, data, clients, device, self._resolve) for _ in range(count)]
+
+        def make_runtime(resolve: Callable[[tensor_pb2.BlobRef], torch.Tensor]) -> ClientRuntime:
+            return ClientRuntime(config, data, clients, device, resolve)
+
+        self.runtimes = [make_runtime(self._resolve)]
         if self.runtimes[0].layout != layout:
             raise RuntimeError("client model layout differs from the server's")
-        for runtime in self.runtimes:
-            self._idle.put(runtime)
+        workers: list[ClientRuntime | WorkerProcess]
+        if kind == "processes":
+            for index in range(count):
+                others = [p.conn for p in self.processes]
+                self.processes.append(WorkerProcess(index, make_runtime, wire_layout, self.blobs, self.threads, others))
+            # Each process twice: a second task waits in it while its driving thread folds the first one's result.
+            workers = [process for process in self.processes for _ in range(TASKS_PER_PROCESS)]
+        else:
+            self.runtimes += [make_runtime(self._resolve) for _ in range(count - 1)]
+            workers = list(self.runtimes)
+        for worker in workers:
+            self._idle.put(worker)
+        self.worker_slots = len(workers)
         if count > 1:
-            self._pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"inprocess-{run_id}")
+            self._pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix=f"inprocess-{run_id}")
 
     def _resolve(self, ref: tensor_pb2.BlobRef) -> torch.Tensor:
         entry = self.blobs.get(ref.sha256)  # BlobStore is locked: workers resolve concurrently
@@ -108,15 +148,18 @@ class InProcessTransport(ClientTransport):
         return self.blobs.put(self.layout, flat)
 
     def _run(self, task: federation_pb2.Task) -> _Done:
-        """One task on an idle runtime (there is one per worker, so one is always free), with the wire's checks."""
-        runtime = self._idle.get()
+        """One task on an idle worker (there is one per pool thread, so one is always free), with the wire's checks."""
+        worker = self._idle.get()
         try:
-            result = runtime.run(task)
+            result = worker.run(task)  # from a worker process: decoded from the wire's bytes and checked already
+        except WorkerRefused:
+            return None, False
         finally:
-            self._idle.put(runtime)
+            self._idle.put(worker)
         try:
-            as_received(result, self.payload_dtype)  # transport.update_dtype: what the wire would deliver
-            check_result(result)
+            if isinstance(worker, ClientRuntime):
+                as_received(result, self.payload_dtype)  # transport.update_dtype: what the wire would deliver
+                check_result(result)
             check_against_task(result, task)
         except CodecError:
             return result, False
@@ -160,7 +203,7 @@ class InProcessTransport(ClientTransport):
         wait(started, return_when=FIRST_EXCEPTION)
         _abandon(started)  # after a failure: the queued tasks are cancelled, the running ones end
         done = [future.result() for future in started if not future.cancelled()]  # raises the lowest id's exception
-        results = [result for result, accepted in filter(None, done) if accepted]
+        results = [result for result, accepted in filter(None, done) if accepted and result is not None]
         rejected = sum(not accepted for _, accepted in filter(None, done))
         answered = {r.client_id for r in results}
         return PhaseOutcome(results, [t.client_id for t in tasks if t.client_id not in answered], rejected=rejected)
@@ -174,7 +217,7 @@ class InProcessTransport(ClientTransport):
         # result must be handled first) is still running, and at most that many finished results wait for it. One
         # worker: one at a time, each handled before the next starts (exactly the serial loop).
         started: deque[Future[_Done]] = deque()
-        window = 1 if self._pool is None else 2 * len(self.runtimes)
+        window = 1 if self._pool is None else 2 * self.worker_slots
         results: list[ClientResult] = []
         rejected = 0
         try:
@@ -188,7 +231,7 @@ class InProcessTransport(ClientTransport):
                     break
                 result, accepted = started[0].result()  # a task's exception is raised here, in order
                 started.popleft()
-                if not accepted:
+                if not accepted or result is None:
                     rejected += 1
                     continue
                 if on_result is not None:
@@ -204,10 +247,13 @@ class InProcessTransport(ClientTransport):
         self.blobs.clear()
 
     def _shutdown(self) -> None:
-        """Stop the pool (its threads end once their task does) and drop the workers' runtimes and models."""
+        """Stop the pool (its threads end once their task does), end the worker processes, drop the runtimes."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        for process in self.processes:
+            process.close()
+        self.processes = []
         self.runtimes = []
         self._idle = queue.SimpleQueue()
 

@@ -24,7 +24,7 @@ from fairfl.config import ExperimentConfig
 # How a run executes, not what it computes (the final model is bit-identical for any worker count): a resume may change
 # them, e.g. a comparison resumed with another --jobs gives its runs another worker count. threads_per_agent is not
 # one: torch's kernels sum in another order with more threads.
-EXECUTION_FIELDS = ("inprocess_workers", "checkpoint_dir")
+EXECUTION_FIELDS = ("inprocess_workers", "inprocess_pool", "checkpoint_dir")
 LOCK_FILE = "run.lock"
 
 

@@ -8,7 +8,13 @@ task. The pool's threads end with the run.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,9 +59,13 @@ def _pool_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("inprocess-")]
 
 
-def _run(config: ExperimentConfig, workers: int) -> tuple[Any, list[control_pb2.RunEvent]]:
+def _worker_processes() -> list[Any]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("fairfl-inprocess-worker")]
+
+
+def _run(config: ExperimentConfig, workers: int, pool: Any = "threads") -> tuple[Any, list[control_pb2.RunEvent]]:
     events: list[control_pb2.RunEvent] = []
-    transport = InProcessTransport(workers=workers)
+    transport = InProcessTransport(workers=workers, pool=pool)
     engine = RoundEngine(
         f"w{workers}",
         config,
@@ -67,7 +77,8 @@ def _run(config: ExperimentConfig, workers: int) -> tuple[Any, list[control_pb2.
     )
     summary = engine.run()
     assert not _pool_threads(), "the pool's threads must end with the run"
-    assert transport.runtimes == []
+    assert not _worker_processes(), "the pool's processes must end with the run"
+    assert transport.runtimes == [] and transport.processes == []
     return summary, events
 
 
@@ -114,11 +125,12 @@ CASES: dict[str, Callable[[], ExperimentConfig]] = {
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("pool", ["threads", "processes"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_two_workers_train_the_same_model_as_one(case: str) -> None:
+def test_two_workers_train_the_same_model_as_one(case: str, pool: str) -> None:
     config = CASES[case]()
     serial, serial_events = _run(config, 1)
-    pooled, pooled_events = _run(config, 2)
+    pooled, pooled_events = _run(config, 2, pool)
     assert serial.state == pooled.state == control_pb2.RUN_STATE_COMPLETED, (serial.message, pooled.message)
     assert torch.equal(pooled.final_params, serial.final_params)
     assert not torch.equal(serial.final_params, initial_model(config)[1]), "training must have moved the model"
@@ -144,7 +156,8 @@ class _Phase:
     ) -> None:
         self.config = _config()
         layout, params = initial_model(self.config)
-        self.transport = InProcessTransport(workers=workers)
+        # Threads: the hooks below record into this process's lists (the orchestration is the same for both pools).
+        self.transport = InProcessTransport(workers=workers, pool="threads")
         self.transport.start_run("phase", self.config, layout)
         self.transport.wait_for_clients(NUM_CLIENTS, 1.0, threading.Event())
         model = self.transport.publish(params)
@@ -317,7 +330,8 @@ def test_a_failing_task_raises_and_no_task_of_its_phase_runs_on(phases: Callable
         assert phase.finished[: len(finished)] == finished
 
 
-def test_a_failing_task_fails_the_run_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_a_failing_task_fails_the_run_as_before(monkeypatch: pytest.MonkeyPatch, pool: str) -> None:
     run = inprocess.ClientRuntime.run
 
     def fail_in_round_2(runtime: Any, task: federation_pb2.Task) -> ClientResult:
@@ -327,15 +341,16 @@ def test_a_failing_task_fails_the_run_as_before(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(inprocess.ClientRuntime, "run", fail_in_round_2)
     config = _config(selection={"clients_per_round": NUM_CLIENTS})
-    (serial, serial_events), (pooled, pooled_events) = _run(config, 1), _run(config, 2)
+    (serial, serial_events), (pooled, pooled_events) = _run(config, 1), _run(config, 2, pool)
     assert serial.state == pooled.state == control_pb2.RUN_STATE_FAILED
-    assert serial.message == pooled.message == "client 5 cannot train"
+    assert serial.message == pooled.message == "client 5 cannot train"  # a worker process's ValueError, raised again
     assert serial.rounds_completed == pooled.rounds_completed == 1
     assert torch.equal(serial.final_params, pooled.final_params)
     assert _rounds(serial_events) == _rounds(pooled_events)
 
 
-def test_a_stopped_run_leaves_no_threads() -> None:
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_a_stopped_run_leaves_no_threads(pool: str) -> None:
     config = _config(rounds=5)
     stop = threading.Event()
     events: list[control_pb2.RunEvent] = []
@@ -345,11 +360,11 @@ def test_a_stopped_run_leaves_no_threads() -> None:
         if event.HasField("round") and event.round.round == 2:
             stop.set()
 
-    transport = InProcessTransport(workers=2)
+    transport = InProcessTransport(workers=2, pool=pool)
     engine = RoundEngine("s", config, transport, LocalSelector("random"), LocalPrivacy(), on_event, stop)
     summary = engine.run()
     assert summary.state == control_pb2.RUN_STATE_STOPPED and summary.rounds_completed == 2
-    assert not _pool_threads() and transport.runtimes == []
+    assert not _pool_threads() and not _worker_processes() and transport.runtimes == transport.processes == []
 
 
 # --- how many workers ----------------------------------------------------------------------------------------------
@@ -406,3 +421,98 @@ def test_compare_jobs_share_the_cores(
     sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
     checkpoints = tmp_path / "out" / "fedavg" / "seed0" / "checkpoint"  # every in-process pair checkpoints (resume)
     assert sets == [*([flag] if flag else []), f'runtime.checkpoint_dir="{checkpoints}"']
+
+
+# --- worker processes -------------------------------------------------------------------------------------------------
+
+
+def test_the_pool_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert inprocess.pool_kind("auto", 2, cpu) == "processes"
+    assert inprocess.pool_kind("auto", 1, cpu) == "threads"  # one worker: tasks run on the calling thread
+    assert inprocess.pool_kind("auto", 1, gpu) == "threads"
+    assert inprocess.pool_kind("threads", 4, cpu) == "threads"
+    monkeypatch.setattr(inprocess, "fork_available", lambda: False)  # macOS' and Windows' default: spawn
+    assert inprocess.pool_kind("auto", 4, cpu) == "threads"
+    with pytest.raises(RuntimeError, match=r"runtime\.inprocess_pool: processes needs the fork start method"):
+        inprocess.pool_kind("processes", 4, cpu)
+
+
+def test_inprocess_pool_is_validated_at_load() -> None:
+    assert _config().runtime.inprocess_pool == "auto"
+    assert _config(runtime={"inprocess_pool": "threads"}).runtime.inprocess_pool == "threads"
+    with pytest.raises(ConfigError, match=r"runtime\.inprocess_pool"):
+        _config(runtime={"inprocess_pool": "fibers"})
+
+
+class _Unbuildable(Exception):
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"code {code}: {detail}")
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (KeyError("client 5"), "'client 5'"),  # rebuilt from its arguments: the same str() as the serial path's
+        (_Unbuildable(7, "no"), "_Unbuildable: code 7: no"),  # cannot be rebuilt from its message: named instead
+    ],
+)
+def test_a_worker_process_exception_reaches_the_run(
+    monkeypatch: pytest.MonkeyPatch, error: Exception, message: str
+) -> None:
+    run = inprocess.ClientRuntime.run
+
+    def fail(runtime: Any, task: federation_pb2.Task) -> ClientResult:
+        if task.client_id == 5:
+            raise error
+        return run(runtime, task)
+
+    monkeypatch.setattr(inprocess.ClientRuntime, "run", fail)  # before the fork: the workers inherit it
+    summary, _ = _run(_config(selection={"clients_per_round": NUM_CLIENTS}), 2, "processes")
+    assert summary.state == control_pb2.RUN_STATE_FAILED
+    assert summary.message == message
+
+
+def test_a_worker_process_that_dies_fails_the_run_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = inprocess.ClientRuntime.run
+
+    def die_in_round_2(runtime: Any, task: federation_pb2.Task) -> ClientResult:
+        if task.round == 2 and task.client_id == 3:
+            os._exit(9)  # as the OOM killer or a segfault would end it: no reply, the pipe closes
+        return run(runtime, task)
+
+    monkeypatch.setattr(inprocess.ClientRuntime, "run", die_in_round_2)
+    summary, _ = _run(_config(selection={"clients_per_round": NUM_CLIENTS}), 2, "processes")
+    assert summary.state == control_pb2.RUN_STATE_FAILED and summary.rounds_completed == 1
+    assert re.fullmatch(
+        r"in-process worker \d \(pid \d+\) ended while running client 3's task \(exit code 9\); .*", summary.message
+    ), summary.message
+
+
+def test_worker_processes_end_when_the_run_process_is_killed(tmp_path: Path) -> None:
+    """A run killed outright (no stop, no cleanup) leaves no worker behind: each sees its pipe close and exits."""
+    config = tmp_path / "run.yaml"
+    config.write_text(_config(rounds=100000, runtime={"inprocess_workers": 2}).to_yaml())
+    cmd = [sys.executable, "-m", "fairfl.compose", "run", str(config), "--transport", "inprocess"]
+    run = subprocess.Popen([*cmd, "--output", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        children: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(children) < 2 and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)
+            children = [int(c) for c in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()]
+        assert len(children) == 2, run.stdout.read().decode() if run.poll() is not None else "no workers started"
+    finally:
+        run.kill()
+        run.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
