@@ -42,10 +42,10 @@ class BlobStore:
         with self._lock:
             return self._blobs.get(sha256)
 
-    def newest(self, count: int) -> list[tuple[str, torch.Tensor]]:
-        """The newest `count` blobs' (sha256, flat float32 tensor), oldest first."""
+    def newest(self, count: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The newest `count` blobs' (sha256, flat float32 tensor), oldest first; None: every blob held."""
         with self._lock:
-            kept = list(self._blobs.items())[-count:]
+            kept = list(self._blobs.items())[-count:] if count is not None else list(self._blobs.items())
         return [(sha256, flat) for sha256, (_, flat) in kept]
 
     def clear(self) -> None:

@@ -210,9 +210,16 @@ def parse_result_upload(raw: bytes) -> ReceivedUpload:
 class ResultAssembler:
     """Decodes one ResultChunk stream against the run's model layout. Raises codec.CodecError on anything malformed."""
 
-    def __init__(self, header: federation_pb2.ResultHeader, layout: ParamLayout, sha256_optional: bool = False) -> None:
+    def __init__(
+        self,
+        header: federation_pb2.ResultHeader,
+        layout: ParamLayout,
+        sha256_optional: bool = False,
+        max_chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         """`sha256_optional`: the header may omit the payload's sha256 (UploadResult over mutual TLS); one it carries
-        is checked all the same."""
+        is checked all the same. `max_chunk_bytes`: the largest part `add` takes (a gRPC stream's chunk size; a
+        channel that delivers each payload whole, as the in-process worker pipes do, passes the payload's size)."""
         self.header = header
         self.layout = layout
         kinds = [p.kind for p in header.payloads]
@@ -243,6 +250,7 @@ class ResultAssembler:
             max_bytes=expected,
             sha256_in_trailer=header.sha256_in_trailer,
             sha256_optional=sha256_optional,
+            max_chunk_bytes=max_chunk_bytes,
             borrow=True,  # an UploadResult's payload is read where it arrived: payload tensors are only ever read
         )
 

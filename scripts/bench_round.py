@@ -625,7 +625,9 @@ def bench_preset(
     inprocess_workers = worker_count(
         config.runtime.inprocess_workers, config.runtime.threads_per_agent, config.data.num_clients, torch.device("cpu")
     )
-    inprocess_pool = pool_kind(config.runtime.inprocess_pool, inprocess_workers, torch.device("cpu"))
+    inprocess_pool = pool_kind(
+        config.runtime.inprocess_pool, inprocess_workers, torch.device("cpu"), config.runtime.threads_per_agent
+    )
     worker_kind = "process" if inprocess_pool == "processes" else "thread"
     shown = preset.config.relative_to(benchlib.REPO) if preset.config.is_relative_to(benchlib.REPO) else preset.config
     notes = [

@@ -16,10 +16,12 @@ generators, so the final model is bit-identical for any worker count and either 
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal
 
@@ -29,8 +31,8 @@ from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from client_agent.trainer import ClientRuntime, LocalData, resolve_device
 from fairfl.codec import CodecError
-from fairfl.compose.worker_processes import WorkerProcess, WorkerRefused, fork_available
-from fairfl.config import ExperimentConfig
+from fairfl.compose.worker_processes import WorkerProcess, WorkerRefused, WorkerSkipped, fork_available
+from fairfl.config import ConfigError, ExperimentConfig
 from fairfl.cores import usable_cores
 from fairfl.data import load_run_data
 from fairfl.params import ParamLayout
@@ -38,20 +40,36 @@ from fairfl.protocol import ClientResult, as_received, check_against_task, check
 from fairfl.v1 import federation_pb2, tensor_pb2
 
 Workers = int | Literal["auto"]
-TASKS_PER_PROCESS = 2  # tasks queued in a worker process at once (see start_run)
 Pool = Literal["auto", "threads", "processes"]
+TASKS_PER_PROCESS = 2  # tasks a worker process may hold at once: one running, one waiting (see start_run)
+STOP_POLL_S = 0.02  # how soon a stop reaches the tasks waiting in worker processes
 
-# A task's outcome as a worker hands it back: the result (None when the wire refused it), and whether it was accepted.
+# A task's outcome as a worker hands it back: the result (None when the wire refused it), and whether it was accepted;
+# None for a task a worker process skipped because its phase had ended.
 _Done = tuple[ClientResult | None, bool]
 
 
-def pool_kind(requested: Pool, workers: int, device: torch.device) -> Literal["threads", "processes"]:
-    """`requested`, or for "auto" processes where they help (more than one worker, on the CPU, fork available)."""
-    if requested == "processes" and not fork_available():
-        raise RuntimeError("runtime.inprocess_pool: processes needs the fork start method, which this OS lacks")
+def pool_kind(requested: Pool, workers: int, device: torch.device, threads: int) -> Literal["threads", "processes"]:
+    """`requested`, or for "auto" processes where they help and are safe: more than one worker, on the CPU, one torch
+    thread each (a process forked after OpenMP ran on several threads can hang in its first parallel kernel), on
+    Linux (fork). One worker runs tasks on the calling thread either way."""
+    if requested == "processes":
+        problem = (
+            "the OS cannot fork safely (Linux only)"
+            if not fork_available()
+            else f"device {device.type} (worker processes train on the CPU)"
+            if device.type != "cpu"
+            else f"runtime.threads_per_agent {threads} (worker processes train on one torch thread each)"
+            if threads != 1
+            else ""
+        )
+        if problem:
+            raise ConfigError(f"runtime.inprocess_pool: processes cannot be used here: {problem}; use threads or auto")
+    if workers <= 1:
+        return "threads"
     if requested != "auto":
         return requested
-    return "processes" if workers > 1 and device.type == "cpu" and fork_available() else "threads"
+    return "processes" if device.type == "cpu" and threads == 1 and fork_available() else "threads"
 
 
 def worker_count(requested: Workers, threads: int, num_clients: int, device: torch.device) -> int:
@@ -81,7 +99,10 @@ class InProcessTransport(ClientTransport):
         # here, and trains nothing).
         self.runtimes: list[ClientRuntime] = []
         self.processes: list[WorkerProcess] = []
-        self.worker_slots = 0  # tasks that can run or wait in a worker at once
+        self.worker_slots = 0  # tasks that can run or wait in the workers at once
+        self.worker_count = 0
+        self._dispatch = threading.Lock()  # guards the processes' outstanding counts
+        self._halt: Any = None  # multiprocessing Event: set, worker processes skip the tasks waiting in them
         self._idle: queue.SimpleQueue[ClientRuntime | WorkerProcess] = queue.SimpleQueue()  # workers no task is using
         self._pool: ThreadPoolExecutor | None = None  # None: one worker, tasks run on the calling thread
         self.layout: ParamLayout | None = None
@@ -101,7 +122,7 @@ class InProcessTransport(ClientTransport):
         clients = list(range(federated.num_clients))
         requested = config.runtime.inprocess_workers if self.workers is None else self.workers
         count = worker_count(requested, self.threads, len(clients), device)
-        kind = pool_kind(config.runtime.inprocess_pool if self.pool is None else self.pool, count, device)
+        kind = pool_kind(config.runtime.inprocess_pool if self.pool is None else self.pool, count, device, self.threads)
         # Built once and shared: on the CPU every runtime's tensors are views of these arrays (no copy per worker; a
         # worker process shares them copy-on-write).
         data = LocalData.of_simulation(federated, clients)
@@ -112,21 +133,22 @@ class InProcessTransport(ClientTransport):
         self.runtimes = [make_runtime(self._resolve)]
         if self.runtimes[0].layout != layout:
             raise RuntimeError("client model layout differs from the server's")
-        workers: list[ClientRuntime | WorkerProcess]
         if kind == "processes":
+            self._halt = multiprocessing.get_context("fork").Event()
             for index in range(count):
                 others = [p.conn for p in self.processes]
-                self.processes.append(WorkerProcess(index, make_runtime, wire_layout, self.blobs, self.threads, others))
-            # Each process twice: a second task waits in it while its driving thread folds the first one's result.
-            workers = [process for process in self.processes for _ in range(TASKS_PER_PROCESS)]
+                self.processes.append(WorkerProcess(index, make_runtime, wire_layout, self.blobs, self._halt, others))
+            # Two pool threads per process: a second task waits in a worker while the first one's result is folded
+            # here, so the worker never idles for it (tasks go to the least-loaded process: _run_on_process).
+            self.worker_slots = TASKS_PER_PROCESS * count
+            self.worker_count = count
         else:
             self.runtimes += [make_runtime(self._resolve) for _ in range(count - 1)]
-            workers = list(self.runtimes)
-        for worker in workers:
-            self._idle.put(worker)
-        self.worker_slots = len(workers)
+            for runtime in self.runtimes:
+                self._idle.put(runtime)
+            self.worker_slots = self.worker_count = count
         if count > 1:
-            self._pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix=f"inprocess-{run_id}")
+            self._pool = ThreadPoolExecutor(max_workers=self.worker_slots, thread_name_prefix=f"inprocess-{run_id}")
 
     def _resolve(self, ref: tensor_pb2.BlobRef) -> torch.Tensor:
         entry = self.blobs.get(ref.sha256)  # BlobStore is locked: workers resolve concurrently
@@ -147,17 +169,23 @@ class InProcessTransport(ClientTransport):
         assert self.layout is not None
         return self.blobs.put(self.layout, flat)
 
-    def _run(self, task: federation_pb2.Task) -> _Done:
-        """One task on an idle worker (there is one per pool thread, so one is always free), with the wire's checks."""
-        worker = self._idle.get()
+    def _run(self, task: federation_pb2.Task) -> _Done | None:
+        """One task on a worker, with the wire's checks; None when a worker process skipped it (its phase ended)."""
+        if self.processes:
+            try:
+                result = self._run_on_process(task)  # decoded from the wire's bytes and checked already
+            except WorkerRefused:
+                return None, False
+            except WorkerSkipped:
+                return None
+        else:
+            runtime = self._idle.get()  # one per pool thread, so one is always free
+            try:
+                result = runtime.run(task)
+            finally:
+                self._idle.put(runtime)
         try:
-            result = worker.run(task)  # from a worker process: decoded from the wire's bytes and checked already
-        except WorkerRefused:
-            return None, False
-        finally:
-            self._idle.put(worker)
-        try:
-            if isinstance(worker, ClientRuntime):
+            if not self.processes:
                 as_received(result, self.payload_dtype)  # transport.update_dtype: what the wire would deliver
                 check_result(result)
             check_against_task(result, task)
@@ -165,10 +193,22 @@ class InProcessTransport(ClientTransport):
             return result, False
         return result, True
 
-    def _submit(self, task: federation_pb2.Task) -> Future[_Done]:
+    def _run_on_process(self, task: federation_pb2.Task) -> ClientResult:
+        """On the least-loaded worker process: with two pool threads per process, a process gets a second task only
+        once every process has one."""
+        with self._dispatch:
+            process = min(self.processes, key=lambda p: (p.outstanding, p.index))
+            process.outstanding += 1
+        try:
+            return process.run(task)
+        finally:
+            with self._dispatch:
+                process.outstanding -= 1
+
+    def _submit(self, task: federation_pb2.Task) -> Future[_Done | None]:
         if self._pool is not None:
             return self._pool.submit(self._run, task)
-        done: Future[_Done] = Future()  # one worker: run it here, now (the serial path, on the calling thread)
+        done: Future[_Done | None] = Future()  # one worker: run it here, now (the serial path, on the calling thread)
         try:
             done.set_result(self._run(task))
         except Exception as err:
@@ -183,9 +223,41 @@ class InProcessTransport(ClientTransport):
         on_result: ResultSink | None = None,
     ) -> PhaseOutcome:
         assert self.runtime is not None
-        if self._pool is not None and quorum is None:
-            return self._execute_free(tasks, on_result)
-        return self._execute_in_order(tasks, quorum, on_result)
+        with self._stop_mirrored():
+            if self._pool is not None and quorum is None:
+                return self._execute_free(tasks, on_result)
+            return self._execute_in_order(tasks, quorum, on_result)
+
+    @contextlib.contextmanager
+    def _stop_mirrored(self) -> Iterator[None]:
+        """With worker processes, a phase's stop also reaches the tasks waiting inside them (they skip): a watcher
+        copies the run's stop into the processes' `halt` within STOP_POLL_S."""
+        if self._halt is None:
+            yield
+            return
+        self._halt.clear()
+        ended = threading.Event()
+
+        def mirror() -> None:
+            while not ended.wait(STOP_POLL_S):
+                if self.stop.is_set():
+                    self._halt.set()
+                    return
+
+        watcher = threading.Thread(target=mirror, name="inprocess-stop-mirror", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            ended.set()
+            watcher.join()
+
+    def _end_phase(self, started: Iterable[Future[Any]]) -> None:
+        """The phase is over (done, stopped or failed): tasks still waiting in worker processes are skipped, those
+        queued here cancelled, and the running ones waited for."""
+        if self._halt is not None:
+            self._halt.set()
+        _abandon(started)
 
     def _execute_free(self, tasks: list[federation_pb2.Task], on_result: ResultSink | None) -> PhaseOutcome:
         """Every task queued at once; each worker hands its accepted result to `on_result` itself."""
@@ -193,15 +265,15 @@ class InProcessTransport(ClientTransport):
         def run(task: federation_pb2.Task) -> _Done | None:
             if self.stop.is_set():  # the engine abandons the phase (RunStopped) once it returns
                 return None
-            result, accepted = self._run(task)
-            if accepted and on_result is not None:
-                on_result(result)
-            return result, accepted
+            done = self._run(task)
+            if done is not None and done[1] and on_result is not None:
+                on_result(done[0])
+            return done
 
         assert self._pool is not None
         started = [self._pool.submit(run, task) for task in sorted(tasks, key=lambda t: t.client_id)]
         wait(started, return_when=FIRST_EXCEPTION)
-        _abandon(started)  # after a failure: the queued tasks are cancelled, the running ones end
+        self._end_phase(started)  # after a failure: the queued tasks are cancelled or skipped, the running ones end
         done = [future.result() for future in started if not future.cancelled()]  # raises the lowest id's exception
         results = [result for result, accepted in filter(None, done) if accepted and result is not None]
         rejected = sum(not accepted for _, accepted in filter(None, done))
@@ -216,8 +288,8 @@ class InProcessTransport(ClientTransport):
         # Started tasks in client-id order. Up to two per worker: a worker never idles while the lowest one (whose
         # result must be handled first) is still running, and at most that many finished results wait for it. One
         # worker: one at a time, each handled before the next starts (exactly the serial loop).
-        started: deque[Future[_Done]] = deque()
-        window = 1 if self._pool is None else 2 * self.worker_slots
+        started: deque[Future[_Done | None]] = deque()
+        window = 1 if self._pool is None else self.worker_slots + self.worker_count
         results: list[ClientResult] = []
         rejected = 0
         try:
@@ -229,8 +301,10 @@ class InProcessTransport(ClientTransport):
                     started.append(self._submit(pending.popleft()))
                 if not started or self.stop.is_set():  # the engine abandons the phase (RunStopped) once it returns
                     break
-                result, accepted = started[0].result()  # a task's exception is raised here, in order
-                started.popleft()
+                done = started.popleft().result()  # a task's exception is raised here, in order
+                if done is None:  # skipped by a worker process: the phase is ending
+                    continue
+                result, accepted = done
                 if not accepted or result is None:
                     rejected += 1
                     continue
@@ -238,9 +312,9 @@ class InProcessTransport(ClientTransport):
                     on_result(result)
                 results.append(result)
         finally:
-            _abandon(started)
-        done = {r.client_id for r in results}
-        return PhaseOutcome(results, [t.client_id for t in tasks if t.client_id not in done], rejected=rejected)
+            self._end_phase(started)
+        answered = {r.client_id for r in results}
+        return PhaseOutcome(results, [t.client_id for t in tasks if t.client_id not in answered], rejected=rejected)
 
     def end_run(self, run_id: str) -> None:
         self._shutdown()
@@ -254,6 +328,7 @@ class InProcessTransport(ClientTransport):
         for process in self.processes:
             process.close()
         self.processes = []
+        self._halt = None
         self.runtimes = []
         self._idle = queue.SimpleQueue()
 

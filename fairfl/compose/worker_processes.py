@@ -1,34 +1,43 @@
 """Worker processes for the in-process transport: client tasks trained beside each other without sharing a GIL.
 
-Worker threads in one process (the `threads` pool) hand the GIL back and forth around every torch call of every step,
-which on a small model costs a quarter of the cores' time; a forked worker process trains with nothing to wait for.
-Each worker is forked once per run from the transport's process, so it shares the run's data copy-on-write (no
-reload) and sees every model, strategy or procedure the parent registered, and hosts one ClientRuntime on its own
-torch thread(s). The parent keeps one thread per worker (the pool's orchestration is the transport's, unchanged):
+Worker threads in one process (the `threads` pool) hand the GIL back and forth around every torch call of every step;
+on a small model that costs a large share of the cores' time, and more the more cores there are. A forked worker
+process trains with nothing to wait for. Each worker is forked once per run from the transport's process (Linux
+only: fork is what makes it cheap and faithful), so it shares the run's data copy-on-write (no reload) and sees every
+model, strategy or procedure the parent registered, and hosts one ClientRuntime on one torch thread. The parent drives
+it over a pipe (no pickle):
 
-- parent → worker over a pipe: each blob (global model, fair gradient) once per worker as raw float32 bytes, then each
-  task as its serialised Task;
+- parent → worker: the blobs (global model, fair gradient) the parent's BlobStore holds and the worker lacks, as raw
+  float32 bytes, then the task as its serialised Task with the list of blobs to keep (the worker mirrors the store,
+  so its memory is bounded as the parent's is);
 - worker → parent: the result as the wire encodes it (ResultHeader, then each payload's raw bytes in the run's
   transport.update_dtype), decoded by the aggregator's own ResultAssembler, so the parent folds exactly what an
-  aggregator would have received from an agent (bit for bit, the same checks); or an error (its type, arguments and
-  traceback) that the parent raises again as the same exception type where it can be imported.
+  aggregator would have received from an agent (bit for bit, the same checks); or the task's exception (its type,
+  arguments and traceback), raised again in the parent as the same type where that can be imported; or "skipped"
+  for a task queued in the worker when the phase ended (a stop, another task's failure: `halt`).
 
-No pickle crosses the pipe. A worker ignores Ctrl-C (the parent's run stops it) and exits when its pipe closes, so it
-never outlives the run's process, even one that was killed.
+Two tasks may wait in a worker at once (the transport sends the next before folding the last result, so the worker
+never idles for the fold); replies come back in the order the tasks were sent. Any failure of the pipe itself marks
+the worker broken: it is killed, and every task waiting on it fails with one message. A worker ignores Ctrl-C and
+the parent's SIGTERM handling (the parent's run stops it), dies with the parent (PR_SET_PDEATHSIG), and exits when
+its pipe closes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
 
 import torch
 
@@ -41,13 +50,14 @@ from fairfl.v1 import federation_pb2, tensor_pb2
 
 # Message kinds, the first byte of each message that starts an exchange.
 _BLOB, _TASK = b"B", b"T"  # parent → worker
-_RESULT, _REFUSED, _ERROR = b"R", b"J", b"E"  # worker → parent
+_RESULT, _REFUSED, _ERROR, _SKIPPED = b"R", b"J", b"E", b"S"  # worker → parent
 
-KEPT_BLOBS = 8  # a worker keeps the newest blobs it was sent, as the parent's BlobStore keeps its newest
+_PR_SET_PDEATHSIG = 1
 
 
 def fork_available() -> bool:
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Worker processes are forked, which only Linux does safely by default (macOS' CPython spawns instead)."""
+    return sys.platform.startswith("linux")
 
 
 class WorkerRefused(Exception):
@@ -55,10 +65,12 @@ class WorkerRefused(Exception):
     transport counts it as rejected, as an aggregator would."""
 
 
+class WorkerSkipped(Exception):
+    """A task that waited in a worker while its phase ended (`halt` was set): it never started."""
+
+
 class WorkerProcess:
-    """One forked worker. `run` may be called by several threads at once: the tasks queue in the worker in the order
-    they were sent and their results come back in that order, each to its caller, so the transport can keep a
-    second task waiting in the worker while it folds the first one's result (the worker never idles for it)."""
+    """One forked worker. `run` may be called by several threads at once (see the module's docstring)."""
 
     def __init__(
         self,
@@ -66,22 +78,27 @@ class WorkerProcess:
         make_runtime: Callable[[BlobResolver], ClientRuntime],
         wire_layout: ParamLayout,
         blobs: BlobStore,
-        threads: int,
+        halt: Event,
         others: list[Connection],
     ) -> None:
-        """`others`: the parent's ends of the workers forked before this one, which this one must not keep open."""
+        """`halt`: set, a worker skips the tasks waiting in it; `others`: the parent's ends of the workers forked
+        before this one, which this one must not keep open."""
         self.index = index
         self.layout = wire_layout
         self.blobs = blobs
-        self.known: set[str] = set()  # blobs this worker has been sent
+        self.known: set[str] = set()  # blobs the worker holds (it keeps exactly those the last task listed)
+        self.outstanding = 0  # tasks sent and not answered (the transport's to count, under its lock)
+        self.broken: str = ""  # why the pipe can no longer be trusted, once it cannot
         self._sending = threading.Lock()
         self._turns = threading.Condition()  # replies are read in the order the tasks were sent
         self._sent = self._read = 0
         context = multiprocessing.get_context("fork")
         self.conn, child_end = context.Pipe(duplex=True)
+        for stream in (sys.stdout, sys.stderr):  # else the child would flush our buffered output a second time
+            stream.flush()
         self.process = context.Process(
             target=_serve,
-            args=(child_end, [*others, self.conn], make_runtime, wire_layout, threads),
+            args=(child_end, [*others, self.conn], make_runtime, wire_layout, halt, os.getpid()),
             name=f"fairfl-inprocess-worker-{index}",
             daemon=True,
         )
@@ -89,31 +106,44 @@ class WorkerProcess:
         child_end.close()
 
     def run(self, task: federation_pb2.Task) -> ClientResult:
-        """The task's result as received over the wire; raises WorkerRefused, or the task's own exception."""
-        try:
-            with self._sending:
-                self._send_new_blobs()
-                self.conn.send_bytes(_TASK + task.SerializeToString())
-                turn, self._sent = self._sent, self._sent + 1
-            with self._turns:
-                self._turns.wait_for(lambda: self._read == turn)
-                try:
-                    kind, body, parts = self._reply()
-                finally:
-                    self._read += 1
-                    self._turns.notify_all()
-            if kind == _RESULT:
-                return _decode(federation_pb2.ResultHeader.FromString(body), parts, self.layout)
-        except (EOFError, OSError) as err:
-            self.process.join(2.0)  # reaped, for its exit code (negative: the signal that ended it)
-            raise RuntimeError(
-                f"in-process worker {self.index} (pid {self.process.pid}) ended while running client "
-                f"{task.client_id}'s task (exit code {self.process.exitcode}); anything it printed went to this "
-                "run's stderr"
-            ) from err
+        """The task's result as received over the wire; raises WorkerRefused, WorkerSkipped, or the task's own
+        exception (RuntimeError when the worker died or its pipe broke)."""
+        with self._sending:
+            self._check()
+            try:
+                self._send_task(task)
+            except BaseException as err:
+                raise self._break(f"sending client {task.client_id}'s task failed: {err!r}") from err
+            turn, self._sent = self._sent, self._sent + 1
+        with self._turns:
+            self._turns.wait_for(lambda: self._read == turn or bool(self.broken))
+            self._check()
+            try:
+                kind, body, parts = self._reply()
+            except BaseException as err:
+                raise self._break(self._ended(task, err)) from err
+            finally:
+                self._read += 1
+                self._turns.notify_all()
+        if kind == _RESULT:
+            return _decode(federation_pb2.ResultHeader.FromString(body), parts, self.layout)
         if kind == _REFUSED:
             raise WorkerRefused(body.decode())
+        if kind == _SKIPPED:
+            raise WorkerSkipped(task.task_id)
         raise _remote_exception(json.loads(body))
+
+    def _send_task(self, task: federation_pb2.Task) -> None:
+        """The blobs the worker lacks, then the task with the blobs to keep (what the store holds now)."""
+        held = self.blobs.newest(None)
+        for sha256, flat in held:
+            if sha256 not in self.known:
+                data = memoryview(flat.detach().cpu().contiguous().numpy()).cast("B")  # before anything is sent
+                self.conn.send_bytes(_BLOB + json.dumps({"sha256": sha256, "numel": flat.numel()}).encode())
+                self.conn.send_bytes(data)
+        self.known = {sha256 for sha256, _ in held}
+        keep = json.dumps(sorted(self.known)).encode()
+        self.conn.send_bytes(_TASK + len(keep).to_bytes(4, "little") + keep + task.SerializeToString())
 
     def _reply(self) -> tuple[bytes, bytes, list[bytes]]:
         """The next reply's kind, body and, for a result, its payloads (all read here: the pipe stays in step)."""
@@ -124,19 +154,37 @@ class WorkerProcess:
         count = len(federation_pb2.ResultHeader.FromString(body).payloads)
         return kind, body, [self.conn.recv_bytes() for _ in range(count)]
 
-    def _send_new_blobs(self) -> None:
-        for sha256, flat in self.blobs.newest(KEPT_BLOBS):
-            if sha256 in self.known:
-                continue
-            header = json.dumps({"sha256": sha256, "numel": flat.numel()}).encode()
-            self.conn.send_bytes(_BLOB + header)
-            self.conn.send_bytes(memoryview(flat.numpy()).cast("B"))
-            self.known.add(sha256)
-        if len(self.known) > 4 * KEPT_BLOBS:  # forget what the worker has dropped too (it re-sends if asked again)
-            self.known = {sha256 for sha256, _ in self.blobs.newest(KEPT_BLOBS)} & self.known
+    def _ended(self, task: federation_pb2.Task, err: BaseException) -> str:
+        if not isinstance(err, EOFError | OSError):
+            return f"reading client {task.client_id}'s result was interrupted ({err!r})"
+        self.process.join(5.0)  # reaped, for its exit code
+        code = self.process.exitcode
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            how = f"killed by {signal.Signals(-code).name}"
+            if -code == signal.SIGKILL:
+                how += ", perhaps out of memory"
+        return (
+            f"in-process worker {self.index} (pid {self.process.pid}) ended while running client {task.client_id}'s "
+            f"task ({how}); anything it printed went to this run's stderr. runtime.inprocess_pool: threads runs the "
+            "clients in this process instead"
+        )
+
+    def _break(self, why: str) -> RuntimeError:
+        """The pipe is out of step or gone: no later reply can be trusted. The worker is killed; waiters fail."""
+        with self._turns:
+            if not self.broken:
+                self.broken = why
+                self.process.kill()
+            self._turns.notify_all()
+        return RuntimeError(self.broken)
+
+    def _check(self) -> None:
+        if self.broken:
+            raise RuntimeError(self.broken)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Closing the pipe ends the worker (it is between tasks: the transport waits for running ones first)."""
+        """Closing the pipe ends the worker (between tasks: the transport waits for running ones first)."""
         self.conn.close()
         self.process.join(timeout)
         if self.process.is_alive():
@@ -145,8 +193,8 @@ class WorkerProcess:
 
 
 def _decode(header: federation_pb2.ResultHeader, parts: list[bytes], layout: ParamLayout) -> ClientResult:
-    try:
-        assembler = ResultAssembler(header, layout, sha256_optional=True)
+    try:  # each payload arrives whole: the largest part is one payload
+        assembler = ResultAssembler(header, layout, sha256_optional=True, max_chunk_bytes=max(1, layout.payload_nbytes))
         for part in parts:
             assembler.add(part)
         return assembler.finish()
@@ -154,7 +202,7 @@ def _decode(header: federation_pb2.ResultHeader, parts: list[bytes], layout: Par
         raise WorkerRefused(str(err)) from err
 
 
-# -- the worker's side -------------------------------------------------------------------------------------------------
+# -- the worker's side ---------------------------------------------------------------------------------------------
 
 
 def _serve(
@@ -162,13 +210,14 @@ def _serve(
     inherited: list[Connection],
     make_runtime: Callable[[BlobResolver], ClientRuntime],
     layout: ParamLayout,
-    threads: int,
+    halt: Event,
+    parent: int,
 ) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    _detach(parent)
     for other in inherited:  # else a pipe would stay open after its owner ended and its worker would never see EOF
         other.close()
-    torch.set_num_threads(threads)
-    blobs: OrderedDict[str, torch.Tensor] = OrderedDict()
+    torch.set_num_threads(1)  # the pool is forked only for one torch thread per worker (inprocess.pool_kind)
+    blobs: dict[str, torch.Tensor] = {}
 
     def resolve(ref: tensor_pb2.BlobRef) -> torch.Tensor:
         flat = blobs.get(ref.sha256)
@@ -176,34 +225,59 @@ def _serve(
             raise KeyError(f"blob {ref.sha256} not found")
         return flat
 
-    runtime = make_runtime(resolve)
-    while True:
-        try:
-            message = conn.recv_bytes()
-        except (EOFError, OSError):
-            os._exit(0)  # the run ended (or its process did): nothing to flush, no atexit work of the parent's
-        kind, body = message[:1], message[1:]
-        if kind == _BLOB:
-            meta = json.loads(body)
-            data = bytearray(4 * meta["numel"])
-            conn.recv_bytes_into(data)
-            blobs[meta["sha256"]] = torch.frombuffer(data, dtype=torch.float32, count=meta["numel"])
-            while len(blobs) > KEPT_BLOBS:
-                blobs.popitem(last=False)
-        elif kind == _TASK:
-            _answer(conn, runtime, federation_pb2.Task.FromString(body), layout)
-
-
-def _answer(conn: Connection, runtime: ClientRuntime, task: federation_pb2.Task, layout: ParamLayout) -> None:
+    runtime: ClientRuntime | Exception
     try:
+        runtime = make_runtime(resolve)
+    except Exception as err:  # every task reports it (the parent built the same runtime, so this is rare)
+        runtime = err
+    try:
+        while True:
+            message = conn.recv_bytes()
+            kind, body = message[:1], message[1:]
+            if kind == _BLOB:
+                meta = json.loads(body)
+                data = bytearray(4 * meta["numel"])
+                conn.recv_bytes_into(data)
+                blobs[meta["sha256"]] = torch.frombuffer(data, dtype=torch.float32, count=meta["numel"])
+            elif kind == _TASK:
+                size = int.from_bytes(body[:4], "little")
+                keep = set(json.loads(body[4 : 4 + size]))
+                for sha256 in [s for s in blobs if s not in keep]:  # the parent's store dropped it
+                    del blobs[sha256]
+                task = federation_pb2.Task.FromString(body[4 + size :])
+                if halt.is_set():
+                    conn.send_bytes(_SKIPPED)
+                else:
+                    _answer(conn, runtime, task, layout)
+    except (EOFError, OSError):
+        pass  # the run ended (or its process did)
+    os._exit(0)  # nothing to flush, none of the parent's atexit work
+
+
+def _detach(parent: int) -> None:
+    """Leave signals to the parent's run (Ctrl-C reaches the whole process group; its SIGTERM handler would run the
+    parent's cleanups here) and die with it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):  # else the pipe's EOF still ends it, once between tasks
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _answer(
+    conn: Connection, runtime: ClientRuntime | Exception, task: federation_pb2.Task, layout: ParamLayout
+) -> None:
+    try:
+        if isinstance(runtime, Exception):
+            raise runtime
         result = runtime.run(task)
+        header, buffers = result_header_and_payload(result, layout)
+    except CodecError as err:  # what the agent would refuse to send (a float16 overflow)
+        conn.send_bytes(_REFUSED + str(err).encode())
+        return
     except Exception as err:  # the task's failure is the run's to report, as on the serial path
         conn.send_bytes(_ERROR + json.dumps(_describe(err)).encode())
-        return
-    try:
-        header, buffers = result_header_and_payload(result, layout)
-    except CodecError as err:
-        conn.send_bytes(_REFUSED + str(err).encode())
         return
     conn.send_bytes(_RESULT + header.SerializeToString())
     for buffer in buffers:
@@ -222,8 +296,9 @@ def _describe(err: Exception) -> dict[str, object]:
 
 
 def _remote_exception(info: dict[str, object]) -> Exception:
-    """The worker's exception as its own type where that can be imported and built from its arguments, else a
-    RuntimeError with its message; the worker's traceback is attached as a note."""
+    """The worker's exception as its own type where that can be imported and built from its arguments with the same
+    message, else a RuntimeError with that message (the run reports the same line either way); the worker's
+    traceback is attached as a note."""
     error: Exception | None = None
     try:
         found: object = importlib.import_module(str(info["module"]))
@@ -234,6 +309,6 @@ def _remote_exception(info: dict[str, object]) -> Exception:
     except Exception:
         error = None
     if error is None or str(error) != info["message"]:
-        error = RuntimeError(f"{info['qualname']}: {info['message']}")
-    error.add_note(f"in an in-process worker process:\n{info['traceback']}")
+        error = RuntimeError(info["message"])
+    error.add_note(f"raised in an in-process worker process:\n{info['traceback']}")
     return error

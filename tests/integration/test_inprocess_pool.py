@@ -30,6 +30,7 @@ from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.inprocess import InProcessTransport, worker_count
 from fairfl.compose.local_privacy import LocalPrivacy
 from fairfl.compose.local_selection import LocalClusterer, LocalSelector
+from fairfl.compose.worker_processes import WorkerProcess
 from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
 from fairfl.data.datasets import DatasetNotFoundError, load_dataset
 from fairfl.protocol import UPDATE, ClientResult
@@ -428,14 +429,20 @@ def test_compare_jobs_share_the_cores(
 
 def test_the_pool_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert inprocess.pool_kind("auto", 2, cpu) == "processes"
-    assert inprocess.pool_kind("auto", 1, cpu) == "threads"  # one worker: tasks run on the calling thread
-    assert inprocess.pool_kind("auto", 1, gpu) == "threads"
-    assert inprocess.pool_kind("threads", 4, cpu) == "threads"
-    monkeypatch.setattr(inprocess, "fork_available", lambda: False)  # macOS' and Windows' default: spawn
-    assert inprocess.pool_kind("auto", 4, cpu) == "threads"
-    with pytest.raises(RuntimeError, match=r"runtime\.inprocess_pool: processes needs the fork start method"):
-        inprocess.pool_kind("processes", 4, cpu)
+    kind = inprocess.pool_kind
+    assert kind("auto", 2, cpu, 1) == kind("processes", 2, cpu, 1) == "processes"
+    assert kind("auto", 1, cpu, 1) == kind("processes", 1, cpu, 1) == "threads"  # one worker: the calling thread
+    assert kind("auto", 1, gpu, 1) == kind("threads", 4, cpu, 1) == "threads"
+    # Several torch threads: a child forked after OpenMP ran threads can hang in its first parallel kernel.
+    assert kind("auto", 2, cpu, 2) == "threads"
+    with pytest.raises(ConfigError, match=r"runtime\.inprocess_pool: .*runtime\.threads_per_agent 2"):
+        kind("processes", 2, cpu, 2)
+    with pytest.raises(ConfigError, match=r"runtime\.inprocess_pool: .*device cuda"):
+        kind("processes", 2, gpu, 1)
+    monkeypatch.setattr(inprocess, "fork_available", lambda: False)  # macOS and Windows: no safe fork
+    assert kind("auto", 4, cpu, 1) == "threads"
+    with pytest.raises(ConfigError, match=r"runtime\.inprocess_pool: processes cannot be used here: the OS cannot"):
+        kind("processes", 4, cpu, 1)
 
 
 def test_inprocess_pool_is_validated_at_load() -> None:
@@ -454,7 +461,7 @@ class _Unbuildable(Exception):
     ("error", "message"),
     [
         (KeyError("client 5"), "'client 5'"),  # rebuilt from its arguments: the same str() as the serial path's
-        (_Unbuildable(7, "no"), "_Unbuildable: code 7: no"),  # cannot be rebuilt from its message: named instead
+        (_Unbuildable(7, "no"), "code 7: no"),  # cannot be rebuilt from its arguments: a RuntimeError, same message
     ],
 )
 def test_a_worker_process_exception_reaches_the_run(
@@ -468,9 +475,10 @@ def test_a_worker_process_exception_reaches_the_run(
         return run(runtime, task)
 
     monkeypatch.setattr(inprocess.ClientRuntime, "run", fail)  # before the fork: the workers inherit it
-    summary, _ = _run(_config(selection={"clients_per_round": NUM_CLIENTS}), 2, "processes")
-    assert summary.state == control_pb2.RUN_STATE_FAILED
-    assert summary.message == message
+    config = _config(selection={"clients_per_round": NUM_CLIENTS})
+    (serial, _), (pooled, _) = _run(config, 1), _run(config, 2, "processes")
+    assert serial.state == pooled.state == control_pb2.RUN_STATE_FAILED
+    assert serial.message == pooled.message == message
 
 
 def test_a_worker_process_that_dies_fails_the_run_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -485,7 +493,9 @@ def test_a_worker_process_that_dies_fails_the_run_with_a_clear_message(monkeypat
     summary, _ = _run(_config(selection={"clients_per_round": NUM_CLIENTS}), 2, "processes")
     assert summary.state == control_pb2.RUN_STATE_FAILED and summary.rounds_completed == 1
     assert re.fullmatch(
-        r"in-process worker \d \(pid \d+\) ended while running client 3's task \(exit code 9\); .*", summary.message
+        r"in-process worker \d \(pid \d+\) ended while running client 3's task \(exit code 9\); anything it printed "
+        r"went to this run's stderr\. runtime\.inprocess_pool: threads runs the clients in this process instead",
+        summary.message,
     ), summary.message
 
 
@@ -516,3 +526,100 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+def test_a_model_bigger_than_a_stream_chunk_trains_the_same_in_worker_processes() -> None:
+    """Each payload crosses the pipe whole: an update beyond gRPC's 2 MiB chunk (here 4.3 MB) is not refused."""
+    config = _config(rounds=2, model={"name": "mlp", "params": {"hidden": [1024, 1024]}})
+    (serial, _), (pooled, pooled_events) = _run(config, 1), _run(config, 2, "processes")
+    assert serial.state == pooled.state == control_pb2.RUN_STATE_COMPLETED, (serial.message, pooled.message)
+    assert all(r.results_accepted == r.selected.__len__() for r in _rounds(pooled_events))
+    assert torch.equal(serial.final_params, pooled.final_params)
+
+
+def _process_phase(workers: int, config: ExperimentConfig | None = None) -> tuple[InProcessTransport, list[Any]]:
+    config = config or _config()
+    layout, params = initial_model(config)
+    transport = InProcessTransport(workers=workers, pool="processes")
+    transport.start_run("phase", config, layout)
+    transport.wait_for_clients(NUM_CLIENTS, 1.0, threading.Event())
+    model = transport.publish(params)
+    train = federation_pb2.LocalTrainingConfig(local_steps=3, batch_size=10, lr=0.05, skip_losses=True)
+    tasks = [
+        federation_pb2.Task(
+            task_id=f"t{cid}",
+            run_id="phase",
+            round=1,
+            phase=federation_pb2.PHASE_TRAIN,
+            client_id=cid,
+            model=model,
+            seed=task_seed(config.seed, 1, cid),
+            train=train,
+        )
+        for cid in range(NUM_CLIENTS)
+    ]
+    return transport, tasks
+
+
+def test_tasks_go_to_the_least_loaded_worker_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    transport, tasks = _process_phase(2)
+    ran_on: list[int] = []
+    run = WorkerProcess.run
+
+    def recording(self: WorkerProcess, task: federation_pb2.Task) -> ClientResult:
+        ran_on.append(self.index)
+        return run(self, task)
+
+    monkeypatch.setattr(WorkerProcess, "run", recording)  # the parent's side: which process each task went to
+    try:
+        outcome = transport.execute(tasks[:2], 60.0)  # two tasks, two processes: one each, never both on one
+        assert sorted(ran_on) == [0, 1] and [r.client_id for r in outcome.results] == [0, 1]
+        ran_on.clear()
+        outcome = transport.execute(tasks, 60.0)
+        assert sorted(set(ran_on)) == [0, 1] and len(outcome.results) == NUM_CLIENTS
+    finally:
+        transport.end_run("phase")
+    assert not _worker_processes()
+
+
+def test_a_stop_reaches_the_tasks_waiting_in_worker_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Client 0 holds its worker until the stop; the task queued behind it in that worker must not start."""
+    run = inprocess.ClientRuntime.run
+
+    def slow_0(runtime: Any, task: federation_pb2.Task) -> ClientResult:
+        if task.client_id == 0:
+            time.sleep(1.0)
+        return run(runtime, task)
+
+    monkeypatch.setattr(inprocess.ClientRuntime, "run", slow_0)  # before the fork
+    transport, tasks = _process_phase(1 + 1)
+    stop = threading.Event()
+    transport.stop = stop
+    threading.Timer(0.3, stop.set).start()
+    try:
+        outcome = transport.execute(tasks, 60.0, on_result=lambda r: None)
+    finally:
+        transport.end_run("phase")
+    answered = [r.client_id for r in outcome.results]
+    # Worker 1 may finish a few short tasks before the stop; worker 0's queued task and everything after are skipped.
+    assert 0 in answered and len(answered) < NUM_CLIENTS, answered
+
+
+def test_worker_processes_hold_what_the_blob_store_holds() -> None:
+    """Each worker mirrors the parent's BlobStore (bounded as it is): a blob published again after being evicted is
+    sent again, and tasks train from whichever blob they name."""
+    transport, tasks = _process_phase(2)
+    try:
+        _, first = initial_model(_config())
+        refs = [transport.publish(first + i) for i in range(12)]  # the store keeps the newest 8
+        again = transport.publish(first)  # evicted long ago: published again, it must reach the workers again
+        assert again.sha256 == refs[0].sha256
+        for ref in (again, refs[-1]):
+            for task in tasks:
+                task.model.CopyFrom(ref)
+            outcome = transport.execute(tasks, 60.0)
+            assert len(outcome.results) == NUM_CLIENTS and outcome.rejected == 0
+        for process in transport.processes:
+            assert process.known == {sha256 for sha256, _ in transport.blobs.newest()}
+    finally:
+        transport.end_run("phase")
