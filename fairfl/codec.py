@@ -390,7 +390,9 @@ class PayloadReceiver:
         self._hashed = 0  # bytes handed to the digest
         self._digest = StreamDigest(background=total_bytes >= BACKGROUND_DIGEST_BYTES)
 
-    def add(self, data: bytes | memoryview) -> None:
+    def add(self, data: bytes | memoryview | bytearray, owned: bool = False) -> None:
+        """The next chunk. `owned`: the caller hands its memory over (nothing else holds or changes it), so with
+        `borrow` it is viewed like an immutable message rather than copied."""
         if self.trailer_received:
             raise CodecError("data arrived after the sha256 trailer")
         if not 0 < len(data) <= self.max_chunk_bytes:
@@ -398,7 +400,7 @@ class PayloadReceiver:
         end = self.received + len(data)
         if end > self.total_bytes:
             raise CodecError(f"received {end} bytes but the header declared {self.total_bytes}", "size")
-        if self._buffer is None and self.borrow and end == self.total_bytes and _immutable(data):
+        if self._buffer is None and self.borrow and end == self.total_bytes and (owned or _immutable(data)):
             self._buffer = np.frombuffer(data, dtype=np.uint8)  # the whole payload at once: a view, no copy
         else:
             self.buffer[self.received : end] = np.frombuffer(data, dtype=np.uint8)

@@ -7,6 +7,7 @@ vector's bytes split by tensor, so decoding a received model or update is a zero
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,11 +44,12 @@ class ParamLayout:
         named = list(model.named_parameters())
         return cls(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named))
 
-    @property
+    # Cached (the fields are frozen): every received result checks and decodes against its run's layout.
+    @functools.cached_property
     def sizes(self) -> list[int]:
         return [int(torch.Size(s).numel()) for s in self.shapes]
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(self.sizes)
 
@@ -61,10 +63,15 @@ class ParamLayout:
         return self.numel * codec.ITEMSIZE[self.payload_dtype]
 
     def specs(self, dtype: int = tensor_pb2.DTYPE_FLOAT32) -> list[tensor_pb2.TensorSpec]:
-        return [
-            tensor_pb2.TensorSpec(name=n, dtype=dtype, shape=list(s))  # type: ignore[arg-type]
-            for n, s in zip(self.names, self.shapes, strict=True)
-        ]
+        """The tensors' specs in `dtype` (built once per dtype: every result header carries them; protobuf copies
+        what is assigned into a message, so callers never change these)."""
+        built: dict[int, list[tensor_pb2.TensorSpec]] = self.__dict__.setdefault("_specs", {})
+        if dtype not in built:
+            built[dtype] = [
+                tensor_pb2.TensorSpec(name=n, dtype=dtype, shape=list(s))  # type: ignore[arg-type]
+                for n, s in zip(self.names, self.shapes, strict=True)
+            ]
+        return built[dtype]
 
     def split(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Named views of a flat vector, shaped like the model's parameters."""

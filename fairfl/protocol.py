@@ -254,12 +254,13 @@ class ResultAssembler:
             borrow=True,  # an UploadResult's payload is read where it arrived: payload tensors are only ever read
         )
 
-    def add(self, part: ResultPart) -> None:
-        """The next part of the stream after the header: a data chunk's bytes, or the trailer with the sha256."""
+    def add(self, part: ResultPart | bytearray, owned: bool = False) -> None:
+        """The next part of the stream after the header: a data chunk's bytes, or the trailer with the sha256.
+        `owned`: the caller hands the chunk's memory over (codec.PayloadReceiver.add)."""
         if isinstance(part, federation_pb2.ResultTrailer):
             self.receiver.set_trailer(part.sha256)
         else:
-            self.receiver.add(part)
+            self.receiver.add(part, owned)
 
     def finish(self) -> ClientResult:
         buffer = self.receiver.finish()

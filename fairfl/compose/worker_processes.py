@@ -5,7 +5,7 @@ on a small model that costs a large share of the cores' time, and more the more 
 process trains with nothing to wait for. Each worker is forked once per run from the transport's process (Linux
 only: fork is what makes it cheap and faithful), so it shares the run's data copy-on-write (no reload) and sees every
 model, strategy or procedure the parent registered, and hosts one ClientRuntime on one torch thread. The parent drives
-it over a pipe (no pickle):
+it over a socketpair (Channel: length-prefixed messages, no pickle):
 
 - parent → worker: the blobs (global model, fair gradient) the parent's BlobStore holds and the worker lacks, as raw
   float32 bytes, then the task as its serialised Task with the list of blobs to keep (the worker mirrors the store,
@@ -32,16 +32,17 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
 
 import torch
 
 from aggregator_service.blobs import BlobStore
+from aggregator_service.engine import RunRefused
 from client_agent.trainer import BlobResolver, ClientRuntime
 from fairfl.codec import CodecError
 from fairfl.params import ParamLayout
@@ -53,6 +54,52 @@ _BLOB, _TASK = b"B", b"T"  # parent → worker
 _RESULT, _REFUSED, _ERROR, _SKIPPED = b"R", b"J", b"E", b"S"  # worker → parent
 
 _PR_SET_PDEATHSIG = 1
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024  # a whole update fits: the worker writes it without waiting for the parent
+
+
+class Channel:
+    """Length-prefixed messages over one end of a socketpair: sent with sendmsg (no concatenation) and received into
+    a buffer of the exact size with recv_into. (multiprocessing's Connection reads a large message in pieces and
+    copies it three times: ~0.6 ms of CPU per 800 KB update in the parent, against ~0.1 ms here.)"""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):  # best effort: the OS caps it (net.core.wmem_max, rmem_max)
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+    @classmethod
+    def pair(cls) -> tuple[Channel, Channel]:
+        a, b = socket.socketpair()
+        return cls(a), cls(b)
+
+    def send(self, *parts: bytes | bytearray | memoryview) -> None:
+        """One message: the parts' concatenation."""
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        pending = [memoryview(sum(v.nbytes for v in views).to_bytes(8, "little")), *views]
+        while pending:
+            sent = self.sock.sendmsg(pending)
+            while pending and sent >= pending[0].nbytes:
+                sent -= pending.pop(0).nbytes
+            if sent:
+                pending[0] = pending[0][sent:]
+
+    def recv(self) -> bytearray:
+        """The next message (EOFError when the other end has closed)."""
+        return self._exactly(int.from_bytes(self._exactly(8), "little"))
+
+    def _exactly(self, size: int) -> bytearray:
+        buffer = bytearray(size)
+        view, got = memoryview(buffer), 0
+        while got < size:
+            count = self.sock.recv_into(view[got:], size - got)
+            if count == 0:
+                raise EOFError("the other end closed the channel")
+            got += count
+        return buffer
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def fork_available() -> bool:
@@ -63,6 +110,11 @@ def fork_available() -> bool:
 class WorkerRefused(Exception):
     """A result the wire would not carry (a float16 overflow when encoding, or a malformed one when decoding): the
     transport counts it as rejected, as an aggregator would."""
+
+
+class WorkerLost(RunRefused):
+    """A worker process died or its channel broke: the run fails with this one line (no traceback: it says what
+    happened and what to do)."""
 
 
 class WorkerSkipped(Exception):
@@ -79,7 +131,7 @@ class WorkerProcess:
         wire_layout: ParamLayout,
         blobs: BlobStore,
         halt: Event,
-        others: list[Connection],
+        others: list[Channel],
     ) -> None:
         """`halt`: set, a worker skips the tasks waiting in it; `others`: the parent's ends of the workers forked
         before this one, which this one must not keep open."""
@@ -93,7 +145,7 @@ class WorkerProcess:
         self._turns = threading.Condition()  # replies are read in the order the tasks were sent
         self._sent = self._read = 0
         context = multiprocessing.get_context("fork")
-        self.conn, child_end = context.Pipe(duplex=True)
+        self.conn, child_end = Channel.pair()
         for stream in (sys.stdout, sys.stderr):  # else the child would flush our buffered output a second time
             stream.flush()
         self.process = context.Process(
@@ -107,7 +159,7 @@ class WorkerProcess:
 
     def run(self, task: federation_pb2.Task) -> ClientResult:
         """The task's result as received over the wire; raises WorkerRefused, WorkerSkipped, or the task's own
-        exception (RuntimeError when the worker died or its pipe broke)."""
+        exception (WorkerLost when the worker died or its channel broke)."""
         with self._sending:
             self._check()
             try:
@@ -119,16 +171,17 @@ class WorkerProcess:
             self._turns.wait_for(lambda: self._read == turn or bool(self.broken))
             self._check()
             try:
-                kind, body, parts = self._reply()
+                kind, body, header, parts = self._reply()
             except BaseException as err:
                 raise self._break(self._ended(task, err)) from err
             finally:
                 self._read += 1
                 self._turns.notify_all()
         if kind == _RESULT:
-            return _decode(federation_pb2.ResultHeader.FromString(body), parts, self.layout)
+            assert header is not None
+            return _decode(header, parts, self.layout)
         if kind == _REFUSED:
-            raise WorkerRefused(body.decode())
+            raise WorkerRefused(bytes(body).decode())
         if kind == _SKIPPED:
             raise WorkerSkipped(task.task_id)
         raise _remote_exception(json.loads(body))
@@ -139,20 +192,21 @@ class WorkerProcess:
         for sha256, flat in held:
             if sha256 not in self.known:
                 data = memoryview(flat.detach().cpu().contiguous().numpy()).cast("B")  # before anything is sent
-                self.conn.send_bytes(_BLOB + json.dumps({"sha256": sha256, "numel": flat.numel()}).encode())
-                self.conn.send_bytes(data)
+                self.conn.send(_BLOB, json.dumps({"sha256": sha256, "numel": flat.numel()}).encode())
+                self.conn.send(data)
         self.known = {sha256 for sha256, _ in held}
         keep = json.dumps(sorted(self.known)).encode()
-        self.conn.send_bytes(_TASK + len(keep).to_bytes(4, "little") + keep + task.SerializeToString())
+        self.conn.send(_TASK, len(keep).to_bytes(4, "little"), keep, task.SerializeToString())
 
-    def _reply(self) -> tuple[bytes, bytes, list[bytes]]:
-        """The next reply's kind, body and, for a result, its payloads (all read here: the pipe stays in step)."""
-        reply = self.conn.recv_bytes()
-        kind, body = reply[:1], reply[1:]
+    def _reply(self) -> tuple[bytes, bytes, federation_pb2.ResultHeader | None, list[bytearray]]:
+        """The next reply's kind, body and, for a result, its header and payloads (all read here: the channel stays
+        in step)."""
+        reply = self.conn.recv()
+        kind, body = bytes(reply[:1]), bytes(reply[1:])
         if kind != _RESULT:
-            return kind, body, []
-        count = len(federation_pb2.ResultHeader.FromString(body).payloads)
-        return kind, body, [self.conn.recv_bytes() for _ in range(count)]
+            return kind, body, None, []
+        header = federation_pb2.ResultHeader.FromString(body)
+        return kind, body, header, [self.conn.recv() for _ in header.payloads]
 
     def _ended(self, task: federation_pb2.Task, err: BaseException) -> str:
         if not isinstance(err, EOFError | OSError):
@@ -170,18 +224,18 @@ class WorkerProcess:
             "clients in this process instead"
         )
 
-    def _break(self, why: str) -> RuntimeError:
+    def _break(self, why: str) -> WorkerLost:
         """The pipe is out of step or gone: no later reply can be trusted. The worker is killed; waiters fail."""
         with self._turns:
             if not self.broken:
                 self.broken = why
                 self.process.kill()
             self._turns.notify_all()
-        return RuntimeError(self.broken)
+        return WorkerLost(self.broken)
 
     def _check(self) -> None:
         if self.broken:
-            raise RuntimeError(self.broken)
+            raise WorkerLost(self.broken)
 
     def close(self, timeout: float = 10.0) -> None:
         """Closing the pipe ends the worker (between tasks: the transport waits for running ones first)."""
@@ -192,11 +246,11 @@ class WorkerProcess:
             self.process.join()
 
 
-def _decode(header: federation_pb2.ResultHeader, parts: list[bytes], layout: ParamLayout) -> ClientResult:
-    try:  # each payload arrives whole: the largest part is one payload
+def _decode(header: federation_pb2.ResultHeader, parts: list[bytearray], layout: ParamLayout) -> ClientResult:
+    try:  # each payload arrives whole: the largest part is one payload, a buffer of its own (viewed, not copied)
         assembler = ResultAssembler(header, layout, sha256_optional=True, max_chunk_bytes=max(1, layout.payload_nbytes))
         for part in parts:
-            assembler.add(part)
+            assembler.add(part, owned=True)
         return assembler.finish()
     except CodecError as err:
         raise WorkerRefused(str(err)) from err
@@ -206,8 +260,8 @@ def _decode(header: federation_pb2.ResultHeader, parts: list[bytes], layout: Par
 
 
 def _serve(
-    conn: Connection,
-    inherited: list[Connection],
+    conn: Channel,
+    inherited: list[Channel],
     make_runtime: Callable[[BlobResolver], ClientRuntime],
     layout: ParamLayout,
     halt: Event,
@@ -232,21 +286,20 @@ def _serve(
         runtime = err
     try:
         while True:
-            message = conn.recv_bytes()
-            kind, body = message[:1], message[1:]
+            message = conn.recv()
+            kind, body = bytes(message[:1]), memoryview(message)[1:]
             if kind == _BLOB:
-                meta = json.loads(body)
-                data = bytearray(4 * meta["numel"])
-                conn.recv_bytes_into(data)
+                meta = json.loads(bytes(body))
+                data = conn.recv()
                 blobs[meta["sha256"]] = torch.frombuffer(data, dtype=torch.float32, count=meta["numel"])
             elif kind == _TASK:
                 size = int.from_bytes(body[:4], "little")
-                keep = set(json.loads(body[4 : 4 + size]))
+                keep = set(json.loads(bytes(body[4 : 4 + size])))
                 for sha256 in [s for s in blobs if s not in keep]:  # the parent's store dropped it
                     del blobs[sha256]
-                task = federation_pb2.Task.FromString(body[4 + size :])
+                task = federation_pb2.Task.FromString(bytes(body[4 + size :]))
                 if halt.is_set():
-                    conn.send_bytes(_SKIPPED)
+                    conn.send(_SKIPPED)
                 else:
                     _answer(conn, runtime, task, layout)
     except (EOFError, OSError):
@@ -255,33 +308,32 @@ def _serve(
 
 
 def _detach(parent: int) -> None:
-    """Leave signals to the parent's run (Ctrl-C reaches the whole process group; its SIGTERM handler would run the
-    parent's cleanups here) and die with it."""
+    """Leave signals to the parent's run, which stops the workers itself (Ctrl-C and a SIGTERM to the process group
+    reach every process of it; the parent's SIGTERM handler, inherited, would run the parent's cleanups here), and
+    die with it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):  # else the pipe's EOF still ends it, once between tasks
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(0)
 
 
-def _answer(
-    conn: Connection, runtime: ClientRuntime | Exception, task: federation_pb2.Task, layout: ParamLayout
-) -> None:
+def _answer(conn: Channel, runtime: ClientRuntime | Exception, task: federation_pb2.Task, layout: ParamLayout) -> None:
     try:
         if isinstance(runtime, Exception):
             raise runtime
         result = runtime.run(task)
         header, buffers = result_header_and_payload(result, layout)
     except CodecError as err:  # what the agent would refuse to send (a float16 overflow)
-        conn.send_bytes(_REFUSED + str(err).encode())
+        conn.send(_REFUSED, str(err).encode())
         return
     except Exception as err:  # the task's failure is the run's to report, as on the serial path
-        conn.send_bytes(_ERROR + json.dumps(_describe(err)).encode())
+        conn.send(_ERROR, json.dumps(_describe(err)).encode())
         return
-    conn.send_bytes(_RESULT + header.SerializeToString())
+    conn.send(_RESULT, header.SerializeToString())
     for buffer in buffers:
-        conn.send_bytes(buffer)
+        conn.send(buffer)
 
 
 def _describe(err: Exception) -> dict[str, object]:
