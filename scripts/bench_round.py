@@ -25,9 +25,9 @@ Runs of the same experiment, one after another:
 - gRPC with one agent process and one thread, when the experiment has more: one training thread, so the ratio
   shows the platform's own cost rather than what a second agent on a second core buys (reported; the acceptance
   figure is the preset as it is).
-- in-process: `fairfl run --transport inprocess` (the same engine and client code without a network, the round's
-  clients trained by runtime.inprocess_workers workers of one torch thread each: auto, one per usable core, forked
-  worker processes (runtime.inprocess_pool: auto); its CPU figure includes theirs).
+- in-process: `fairfl run --transport inprocess` in a fresh process, as a user runs it (the same engine and client
+  code without a network, the round's clients trained by runtime.inprocess_workers workers of one torch thread each:
+  auto, one per usable core, forked worker processes (runtime.inprocess_pool: auto); its CPU figure includes theirs).
 - plain loop: the physical floor, written here with plain torch in one process, run with one torch thread and with
   one per core (the faster one counts): the same model, the same data partition (fairfl.data), the same clients each
   round (those the gRPC run selected), the same local steps, batch size, lr and batch order (the trainer's task
@@ -59,6 +59,7 @@ import argparse
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -305,23 +306,49 @@ class Pair:
 # --- the in-process run -------------------------------------------------------------------------------------------
 
 
-def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
-    """`fairfl run --transport inprocess`: (arrival of each round event, CPU of the process and its worker processes
-    then, round events)."""
-    from fairfl.compose.cli import run_inprocess
+def inprocess_run(config: Any) -> tuple[list[float], list[float], list[int]]:
+    """`fairfl run --transport inprocess` in a fresh process, as a user runs it (not in this one, which has run gRPC
+    clusters and multi-threaded plain loops): (arrival of each round's event, CPU seconds of that process and its
+    worker processes then, round numbers), as the child reports them (`--inprocess-child`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "experiment.yaml"
+        path.write_text(config.to_yaml())
+        child = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--inprocess-child", str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if child.returncode != 0:
+        raise RuntimeError(f"the in-process run failed ({child.returncode}):\n{child.stderr[-4000:]}")
+    arrivals, cpu, rounds = [], [], []
+    for line in child.stdout.splitlines():
+        if line.startswith("round "):
+            _, number, arrival, seconds = line.split()
+            rounds.append(int(number))
+            arrivals.append(float(arrival))
+            cpu.append(float(seconds))
+    return arrivals, cpu, rounds
 
-    arrivals: list[float] = []
-    cpu: list[float] = []
-    rounds: list[Any] = []
+
+def inprocess_child(path: str) -> int:
+    """The child of inprocess_run: the run, and one line per round event (number, arrival, CPU with its workers)."""
+    from fairfl.compose.cli import run_inprocess
+    from fairfl.v1 import control_pb2
+
+    config = benchlib.load_config(path)
+    states: list[int] = []
 
     def on_event(event: Any) -> None:
         if event.HasField("round"):
-            arrivals.append(time.perf_counter())
-            cpu.append(time.process_time() + benchlib.children_cpu_seconds())  # with its worker processes'
-            rounds.append(event.round)
+            cpu = time.process_time() + benchlib.children_cpu_seconds()  # with its worker processes'
+            print(f"round {event.round.round} {time.perf_counter()!r} {cpu!r}", flush=True)
+        else:
+            states.append(event.status.state)
+            print(f"status {control_pb2.RunState.Name(event.status.state)} {event.status.message}", file=sys.stderr)
 
     run_inprocess(config, on_event, f"bench-inprocess-{int(time.time())}")  # type: ignore[arg-type]
-    return arrivals, cpu, rounds
+    return 0 if states and states[-1] == control_pb2.RUN_STATE_COMPLETED else 1
 
 
 # --- telemetry breakdown ------------------------------------------------------------------------------------------
@@ -732,7 +759,10 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help=f"interleaved gRPC / in-process / plain-loop runs (default {DEFAULT_REPEATS}; quick 1)",
     )
+    parser.add_argument("--inprocess-child", default=None, help=argparse.SUPPRESS)  # see inprocess_run
     args = parser.parse_args(argv)
+    if args.inprocess_child:
+        return inprocess_child(args.inprocess_child)
     repeats = args.repeats or (1 if args.quick else DEFAULT_REPEATS)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     started = time.perf_counter()
