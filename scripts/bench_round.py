@@ -306,10 +306,12 @@ class Pair:
 # --- the in-process run -------------------------------------------------------------------------------------------
 
 
-def inprocess_run(config: Any) -> tuple[list[float], list[float], list[int]]:
+def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
     """`fairfl run --transport inprocess` in a fresh process, as a user runs it (not in this one, which has run gRPC
     clusters and multi-threaded plain loops): (arrival of each round's event, CPU seconds of that process and its
-    worker processes then, round numbers), as the child reports them (`--inprocess-child`)."""
+    worker processes then, RoundEvents), as the child reports them (`--inprocess-child`)."""
+    from fairfl.v1 import control_pb2
+
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "experiment.yaml"
         path.write_text(config.to_yaml())
@@ -321,18 +323,20 @@ def inprocess_run(config: Any) -> tuple[list[float], list[float], list[int]]:
         )
     if child.returncode != 0:
         raise RuntimeError(f"the in-process run failed ({child.returncode}):\n{child.stderr[-4000:]}")
-    arrivals, cpu, rounds = [], [], []
+    arrivals: list[float] = []
+    cpu: list[float] = []
+    rounds: list[Any] = []
     for line in child.stdout.splitlines():
         if line.startswith("round "):
-            _, number, arrival, seconds = line.split()
-            rounds.append(int(number))
+            _, arrival, seconds, event = line.split()
             arrivals.append(float(arrival))
             cpu.append(float(seconds))
+            rounds.append(control_pb2.RoundEvent.FromString(bytes.fromhex(event)))
     return arrivals, cpu, rounds
 
 
 def inprocess_child(path: str) -> int:
-    """The child of inprocess_run: the run, and one line per round event (number, arrival, CPU with its workers)."""
+    """The child of inprocess_run: the run, and one line per round event (arrival, CPU with its workers, the event)."""
     from fairfl.compose.cli import run_inprocess
     from fairfl.v1 import control_pb2
 
@@ -342,7 +346,7 @@ def inprocess_child(path: str) -> int:
     def on_event(event: Any) -> None:
         if event.HasField("round"):
             cpu = time.process_time() + benchlib.children_cpu_seconds()  # with its worker processes'
-            print(f"round {event.round.round} {time.perf_counter()!r} {cpu!r}", flush=True)
+            print(f"round {time.perf_counter()!r} {cpu!r} {event.round.SerializeToString().hex()}", flush=True)
         else:
             states.append(event.status.state)
             print(f"status {control_pb2.RunState.Name(event.status.state)} {event.status.message}", file=sys.stderr)

@@ -109,6 +109,21 @@ def test_resume_reruns_a_pair_whose_experiment_changed(tmp_path: Path) -> None:
     assert "0 finished before (reused), 2 to run" in again.stdout
 
 
+def test_resume_reuses_a_pair_written_before_a_config_field_existed(tmp_path: Path) -> None:
+    """A field added to the config since (here runtime.inprocess_pool, as if the pair predates it) takes its default,
+    and how a pair ran (runtime.inprocess_workers) does not change what it computed: the finished pair is reused."""
+    write_comparison(tmp_path, RUNS[:1])
+    assert compare(tmp_path).returncode == 0
+    stored = sorted((tmp_path / "report").glob("*/seed*/experiment.yaml"))
+    assert len(stored) == 2
+    for path in stored:
+        lines = [line for line in path.read_text().splitlines() if "inprocess_pool:" not in line]
+        path.write_text("\n".join(line.replace("inprocess_workers: auto", "inprocess_workers: 3") for line in lines))
+    again = compare(tmp_path, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "2 finished before (reused), 0 to run" in again.stdout
+
+
 def test_ctrl_c_stops_the_comparison_and_resume_finishes_it(tmp_path: Path) -> None:
     slow = {"label": "Slow", "set": {"rounds": 5000, "evaluation.every": 1000}, "seeds": [0]}
     write_comparison(tmp_path, [{**RUNS[0], "seeds": [0]}, slow])

@@ -2,10 +2,10 @@
 
 Each pair writes into <output>/<run slug>/seed<seed>/ (experiment.yaml, run.log and the run's results). With `resume`,
 a pair whose directory already holds a finished run of the same experiment (results.json of a COMPLETED run, written by
-the same transport, next to an identical experiment.yaml) is reused as it is; every other pair runs again. An
-in-process pair checkpoints every round into <run dir>/checkpoint/ (removed once it completes), so with `resume` a
-pair that was interrupted (Ctrl-C, a killed session) continues from its last completed round (`fairfl run
---resume`, bit-identical to an uninterrupted run) instead of starting over.
+the same transport, next to an experiment.yaml of the same computation: finished_before) is reused as it is; every
+other pair runs again. An in-process pair checkpoints every round into <run dir>/checkpoint/ (removed once it
+completes), so with `resume` a pair that was interrupted (Ctrl-C, a killed session) continues from its last completed
+round (`fairfl run --resume`, bit-identical to an uninterrupted run) instead of starting over.
 
 The `fairfl run` children run in their own sessions: a signal to the comparison (Ctrl-C) is passed on to each running
 child by `RunningChildren.signal`, so every child stops its run in order (fairfl.compose.interrupt) and writes what it
@@ -34,8 +34,8 @@ from aggregator_service.checkpoint import CheckpointError
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
 from fairfl.compose.provenance import descends_from, run_provenance
-from fairfl.compose.resume import resumable_run, running_elsewhere
-from fairfl.config import ExperimentConfig
+from fairfl.compose.resume import resumable_run, running_elsewhere, same_experiment
+from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
 from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
@@ -151,20 +151,22 @@ def finished_before(
     spec: ComparisonSpec, run: RunSpec, seed: int, output_dir: Path, transport: str, since: str | None = None
 ) -> SeedSummary | None:
     """The pair's results from an earlier invocation when they can stand in for running it again: a COMPLETED run of
-    the identical experiment (experiment.yaml), over the same transport, whose results.json the report can read (and,
-    with `since`, that ran at that commit or a later one)."""
+    the same experiment (its experiment.yaml read as a config: fields added since take their defaults, and how it ran
+    (resume.EXECUTION_FIELDS) may differ), over the same transport, whose results.json the report can read (and, with
+    `since`, that ran at that commit or a later one)."""
     run_dir = _run_dir(output_dir, run, seed)
     if not _ran_since(run_dir, since):
         return None
     try:
-        if (run_dir / "experiment.yaml").read_text() != spec.experiment(run, seed).to_yaml():
+        earlier = experiment_from_yaml((run_dir / "experiment.yaml").read_text())
+        if not same_experiment(earlier, spec.experiment(run, seed)):
             return None
         results = json.loads((run_dir / "results.json").read_text())
         if results.get("state") != FINISHED_STATE or results.get("transport") != transport:
             return None
         summary = SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
         return dataclasses.replace(summary, revision=_revision_of(run_dir))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # missing, unreadable or not a results file
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ConfigError):  # missing, unreadable, not ours
         return None
 
 
