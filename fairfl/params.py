@@ -46,8 +46,8 @@ class ParamLayout:
 
     # Cached (the fields are frozen): every received result checks and decodes against its run's layout.
     @functools.cached_property
-    def sizes(self) -> list[int]:
-        return [int(torch.Size(s).numel()) for s in self.shapes]
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(int(torch.Size(s).numel()) for s in self.shapes)
 
     @functools.cached_property
     def numel(self) -> int:
@@ -63,15 +63,10 @@ class ParamLayout:
         return self.numel * codec.ITEMSIZE[self.payload_dtype]
 
     def specs(self, dtype: int = tensor_pb2.DTYPE_FLOAT32) -> list[tensor_pb2.TensorSpec]:
-        """The tensors' specs in `dtype` (built once per dtype: every result header carries them; protobuf copies
-        what is assigned into a message, so callers never change these)."""
-        built: dict[int, list[tensor_pb2.TensorSpec]] = self.__dict__.setdefault("_specs", {})
-        if dtype not in built:
-            built[dtype] = [
-                tensor_pb2.TensorSpec(name=n, dtype=dtype, shape=list(s))  # type: ignore[arg-type]
-                for n, s in zip(self.names, self.shapes, strict=True)
-            ]
-        return built[dtype]
+        return [
+            tensor_pb2.TensorSpec(name=n, dtype=dtype, shape=list(s))  # type: ignore[arg-type]
+            for n, s in zip(self.names, self.shapes, strict=True)
+        ]
 
     def split(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Named views of a flat vector, shaped like the model's parameters."""

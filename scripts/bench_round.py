@@ -306,6 +306,10 @@ class Pair:
 # --- the in-process run -------------------------------------------------------------------------------------------
 
 
+ROUND_LINE = "@@bench-round"  # the child's lines about round events (anything else it prints is not)
+CHILD_TIMEOUT_S = 3600
+
+
 def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
     """`fairfl run --transport inprocess` in a fresh process, as a user runs it (not in this one, which has run gRPC
     clusters and multi-threaded plain loops): (arrival of each round's event, CPU seconds of that process and its
@@ -320,6 +324,7 @@ def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
             capture_output=True,
             text=True,
             check=False,
+            timeout=CHILD_TIMEOUT_S,
         )
     if child.returncode != 0:
         raise RuntimeError(f"the in-process run failed ({child.returncode}):\n{child.stderr[-4000:]}")
@@ -327,7 +332,7 @@ def inprocess_run(config: Any) -> tuple[list[float], list[float], list[Any]]:
     cpu: list[float] = []
     rounds: list[Any] = []
     for line in child.stdout.splitlines():
-        if line.startswith("round "):
+        if line.startswith(ROUND_LINE):
             _, arrival, seconds, event = line.split()
             arrivals.append(float(arrival))
             cpu.append(float(seconds))
@@ -346,7 +351,7 @@ def inprocess_child(path: str) -> int:
     def on_event(event: Any) -> None:
         if event.HasField("round"):
             cpu = time.process_time() + benchlib.children_cpu_seconds()  # with its worker processes'
-            print(f"round {time.perf_counter()!r} {cpu!r} {event.round.SerializeToString().hex()}", flush=True)
+            print(f"{ROUND_LINE} {time.perf_counter()!r} {cpu!r} {event.round.SerializeToString().hex()}", flush=True)
         else:
             states.append(event.status.state)
             print(f"status {control_pb2.RunState.Name(event.status.state)} {event.status.message}", file=sys.stderr)

@@ -40,6 +40,25 @@ def _computation(config: ExperimentConfig) -> dict[str, Any]:
     return {**tree, "runtime": runtime}
 
 
+def unstated_fields(stored: Any, config: ExperimentConfig) -> list[str]:
+    """Fields of `config` that a stored experiment (its YAML, as loaded) does not state, other than EXECUTION_FIELDS:
+    a config written before such a field existed took its default when read, and nothing proves that default is what
+    the older code did, so a result written then is not reused as this experiment's."""
+    missing: list[str] = []
+
+    def walk(have: Any, want: dict[str, Any], path: str) -> None:
+        for key, value in want.items():
+            where = f"{path}{key}"
+            if not isinstance(have, dict) or key not in have:
+                if where not in {f"runtime.{f}" for f in EXECUTION_FIELDS}:
+                    missing.append(where)
+            elif isinstance(value, dict):
+                walk(have[key], value, f"{where}.")
+
+    walk(stored, config.to_dict(), "")
+    return missing
+
+
 def same_experiment(a: ExperimentConfig, b: ExperimentConfig) -> bool:
     """Whether two configs compute the same run (they may differ in EXECUTION_FIELDS only)."""
     return _computation(a) == _computation(b)

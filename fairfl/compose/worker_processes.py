@@ -164,8 +164,8 @@ class WorkerProcess:
             self._check()
             try:
                 self._send_task(task)
-            except BaseException as err:
-                raise self._break(f"sending client {task.client_id}'s task failed: {err!r}") from err
+            except BaseException as err:  # a worker that died between tasks shows here first
+                raise self._break(self._ended(task, err, sending=True)) from err
             turn, self._sent = self._sent, self._sent + 1
         with self._turns:
             self._turns.wait_for(lambda: self._read == turn or bool(self.broken))
@@ -208,9 +208,10 @@ class WorkerProcess:
         header = federation_pb2.ResultHeader.FromString(body)
         return kind, body, header, [self.conn.recv() for _ in header.payloads]
 
-    def _ended(self, task: federation_pb2.Task, err: BaseException) -> str:
+    def _ended(self, task: federation_pb2.Task, err: BaseException, sending: bool = False) -> str:
         if not isinstance(err, EOFError | OSError):
-            return f"reading client {task.client_id}'s result was interrupted ({err!r})"
+            step = "sending client {}'s task" if sending else "reading client {}'s result"
+            return f"{step.format(task.client_id)} was interrupted ({err!r})"
         self.process.join(5.0)  # reaped, for its exit code
         code = self.process.exitcode
         how = f"exit code {code}"
@@ -219,9 +220,10 @@ class WorkerProcess:
             if -code == signal.SIGKILL:
                 how += ", perhaps out of memory"
         return (
-            f"in-process worker {self.index} (pid {self.process.pid}) ended while running client {task.client_id}'s "
-            f"task ({how}); anything it printed went to this run's stderr. runtime.inprocess_pool: threads runs the "
-            "clients in this process instead"
+            f"in-process worker {self.index} (pid {self.process.pid}) ended "
+            f"{'before' if sending else 'while running'} client {task.client_id}'s task ({how}); anything it "
+            "printed went to this run's stderr. runtime.inprocess_pool: threads runs the clients in this process "
+            "instead"
         )
 
     def _break(self, why: str) -> WorkerLost:
@@ -291,7 +293,9 @@ def _serve(
             if kind == _BLOB:
                 meta = json.loads(bytes(body))
                 data = conn.recv()
-                blobs[meta["sha256"]] = torch.frombuffer(data, dtype=torch.float32, count=meta["numel"])
+                if len(data) != 4 * meta["numel"]:  # the channel is out of step: nothing after this can be trusted
+                    break
+                blobs[meta["sha256"]] = torch.frombuffer(data, dtype=torch.float32)
             elif kind == _TASK:
                 size = int.from_bytes(body[:4], "little")
                 keep = set(json.loads(bytes(body[4 : 4 + size])))

@@ -471,7 +471,7 @@ def test_payload_bytes(layout: ParamLayout) -> None:
 def test_layout_describes_the_model(model: torch.nn.Module, layout: ParamLayout) -> None:
     assert layout.names == ("body.1.weight", "body.1.bias", "classifier.weight", "classifier.bias")
     assert layout.shapes == ((5, 4), (5,), (3, 5), (3,))
-    assert layout.sizes == [20, 5, 15, 3]
+    assert layout.sizes == (20, 5, 15, 3)
     assert layout.numel == 43 == sum(p.numel() for p in model.parameters())
     assert layout.nbytes == 43 * 4
     specs = layout.specs()

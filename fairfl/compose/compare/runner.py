@@ -30,12 +30,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
+import yaml
+
 from aggregator_service.checkpoint import CheckpointError
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
 from fairfl.compose.provenance import descends_from, run_provenance
-from fairfl.compose.resume import resumable_run, running_elsewhere, same_experiment
-from fairfl.config import ConfigError, ExperimentConfig, experiment_from_yaml
+from fairfl.compose.resume import resumable_run, running_elsewhere, same_experiment, unstated_fields
+from fairfl.config import ExperimentConfig, experiment_from_yaml
 from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
@@ -151,22 +153,22 @@ def finished_before(
     spec: ComparisonSpec, run: RunSpec, seed: int, output_dir: Path, transport: str, since: str | None = None
 ) -> SeedSummary | None:
     """The pair's results from an earlier invocation when they can stand in for running it again: a COMPLETED run of
-    the same experiment (its experiment.yaml read as a config: fields added since take their defaults, and how it ran
-    (resume.EXECUTION_FIELDS) may differ), over the same transport, whose results.json the report can read (and, with
-    `since`, that ran at that commit or a later one)."""
+    the same experiment (its experiment.yaml states every field and computes the same; how it ran,
+    resume.EXECUTION_FIELDS, may differ or be unstated), over the same transport, whose results.json the report can
+    read (and, with `since`, that ran at that commit or a later one)."""
     run_dir = _run_dir(output_dir, run, seed)
     if not _ran_since(run_dir, since):
         return None
     try:
-        earlier = experiment_from_yaml((run_dir / "experiment.yaml").read_text())
-        if not same_experiment(earlier, spec.experiment(run, seed)):
+        text, config = (run_dir / "experiment.yaml").read_text(), spec.experiment(run, seed)
+        if unstated_fields(yaml.safe_load(text), config) or not same_experiment(experiment_from_yaml(text), config):
             return None
         results = json.loads((run_dir / "results.json").read_text())
         if results.get("state") != FINISHED_STATE or results.get("transport") != transport:
             return None
         summary = SeedSummary.from_results(run.label, seed, results, str(run_dir), spec.target_accuracy)
         return dataclasses.replace(summary, revision=_revision_of(run_dir))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ConfigError):  # missing, unreadable, not ours
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError):  # missing, unreadable, not ours
         return None
 
 
