@@ -156,26 +156,9 @@ class _Phase:
         self, workers: int, monkeypatch: pytest.MonkeyPatch, before: Hook | None = None, alter: Alter | None = None
     ) -> None:
         self.config = _config()
-        layout, params = initial_model(self.config)
         # Threads: the hooks below record into this process's lists (the orchestration is the same for both pools).
-        self.transport = InProcessTransport(workers=workers, pool="threads")
-        self.transport.start_run("phase", self.config, layout)
-        self.transport.wait_for_clients(NUM_CLIENTS, 1.0, threading.Event())
-        model = self.transport.publish(params)
-        train = federation_pb2.LocalTrainingConfig(local_steps=3, batch_size=10, lr=0.05, skip_losses=True)
-        self.tasks = [
-            federation_pb2.Task(
-                task_id=f"t{cid}",
-                run_id="phase",
-                round=1,
-                phase=federation_pb2.PHASE_TRAIN,
-                client_id=cid,
-                model=model,
-                seed=task_seed(self.config.seed, 1, cid),
-                train=train,
-            )
-            for cid in reversed(range(NUM_CLIENTS))  # the engine's order does not matter: ids decide
-        ]
+        self.transport, tasks = _started_phase(workers, "threads", self.config)
+        self.tasks = tasks[::-1]  # the engine's order does not matter: ids decide
         self.started: list[int] = []
         self.finished: list[int] = []
         self.done = {cid: threading.Event() for cid in range(NUM_CLIENTS)}
@@ -537,10 +520,14 @@ def test_a_model_bigger_than_a_stream_chunk_trains_the_same_in_worker_processes(
     assert torch.equal(serial.final_params, pooled.final_params)
 
 
-def _process_phase(workers: int, config: ExperimentConfig | None = None) -> tuple[InProcessTransport, list[Any]]:
-    config = config or _config()
+def _process_phase(workers: int) -> tuple[InProcessTransport, list[Any]]:
+    return _started_phase(workers, "processes", _config())
+
+
+def _started_phase(workers: int, pool: Any, config: ExperimentConfig) -> tuple[InProcessTransport, list[Any]]:
+    """A started transport and one TRAIN phase's tasks over every client, in client-id order."""
     layout, params = initial_model(config)
-    transport = InProcessTransport(workers=workers, pool="processes")
+    transport = InProcessTransport(workers=workers, pool=pool)
     transport.start_run("phase", config, layout)
     transport.wait_for_clients(NUM_CLIENTS, 1.0, threading.Event())
     model = transport.publish(params)
