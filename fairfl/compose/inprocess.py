@@ -100,10 +100,10 @@ class InProcessTransport(ClientTransport):
         self.runtimes: list[ClientRuntime] = []
         self.processes: list[WorkerProcess] = []
         self.worker_slots = 0  # tasks that can run or wait in the workers at once
-        self.worker_count = 0
+        self.started_workers = 0
         self._dispatch = threading.Lock()  # guards the processes' outstanding counts
         self._halt: Any = None  # multiprocessing Event: set, worker processes skip the tasks waiting in them
-        self._idle: queue.SimpleQueue[ClientRuntime | WorkerProcess] = queue.SimpleQueue()  # workers no task is using
+        self._idle: queue.SimpleQueue[ClientRuntime] = queue.SimpleQueue()  # worker threads' runtimes no task is using
         self._pool: ThreadPoolExecutor | None = None  # None: one worker, tasks run on the calling thread
         self.layout: ParamLayout | None = None
         self.stop = threading.Event()  # the run's stop event (from wait_for_clients): a phase ends at the next client
@@ -141,12 +141,12 @@ class InProcessTransport(ClientTransport):
             # Two pool threads per process: a second task waits in a worker while the first one's result is folded
             # here, so the worker never idles for it (tasks go to the least-loaded process: _run_on_process).
             self.worker_slots = TASKS_PER_PROCESS * count
-            self.worker_count = count
+            self.started_workers = count
         else:
             self.runtimes += [make_runtime(self._resolve) for _ in range(count - 1)]
             for runtime in self.runtimes:
                 self._idle.put(runtime)
-            self.worker_slots = self.worker_count = count
+            self.worker_slots = self.started_workers = count
         if count > 1:
             self._pool = ThreadPoolExecutor(max_workers=self.worker_slots, thread_name_prefix=f"inprocess-{run_id}")
 
@@ -289,7 +289,7 @@ class InProcessTransport(ClientTransport):
         # result must be handled first) is still running, and at most that many finished results wait for it. One
         # worker: one at a time, each handled before the next starts (exactly the serial loop).
         started: deque[Future[_Done | None]] = deque()
-        window = 1 if self._pool is None else self.worker_slots + self.worker_count
+        window = 1 if self._pool is None else self.worker_slots + self.started_workers
         results: list[ClientResult] = []
         rejected = 0
         try:
