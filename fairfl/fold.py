@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fairfl.fold_kernel import kernel_for
 from fairfl.protocol import UPDATE, ClientResult
 
 BLOCK = 1 << 18  # coordinates per block: 2 MiB of float64 temporaries, inside L2/L3
@@ -161,7 +162,8 @@ class ExactSum:
         self.weights: list[Weight] = []
         self.keys: list[int] = []  # who each weight belongs to (client ids), in arrival order
         self._lock = threading.Lock()
-        # Big vectors are folded by FOLD_THREADS workers on disjoint ranges (torch kernels release the GIL).
+        self._kernel = kernel_for(numel)  # one compiled pass per block, or None: nine torch ops (the same bits)
+        # Big vectors are folded by FOLD_THREADS workers on disjoint ranges (both kinds of kernel release the GIL).
         self._ranges = _split(numel, FOLD_THREADS if numel >= 4 * BLOCK else 1)
         self._buffers = _BUFFERS.take(numel, len(self._ranges))
         # Back to the pool when this sum is gone; nothing outside it holds its buffers (scaled_sum returns a copy).
@@ -182,6 +184,7 @@ class ExactSum:
             self.keys.append(key)
             if weight.mantissa == 0.0:
                 return
+            vector = vector.detach().contiguous()
             if self.reference is None:
                 self.reference = weight.exponent
             elif weight.exponent > self.reference:  # running log-sum-exp: rescale by a power of two (exact)
@@ -198,6 +201,12 @@ class ExactSum:
 
     def _fold(self, vector: torch.Tensor, factor: float, part: int) -> None:
         buffers = self._buffers
+        if self._kernel is not None:
+            values = vector.numpy()
+            for index, start, end in self._blocks(*self._ranges[part]):
+                hi = buffers.hi[index][: end - start].numpy()
+                self._kernel(hi, buffers.lo[start:end].numpy(), values[start:end], factor)
+            return
         product, carry = buffers.scratch[part]
         for index, start, end in self._blocks(*self._ranges[part]):
             n = end - start

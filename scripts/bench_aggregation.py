@@ -2,6 +2,7 @@
 
     python scripts/bench_aggregation.py                      # FedAvg and FedEBA, 10/100/1000 updates, 100M params
     python scripts/bench_aggregation.py --counts 10 100 --params 20000000 --json out.json
+    FAIRFL_FOLD_KERNEL=torch python scripts/bench_aggregation.py ...   # the fold as torch ops, not compiled
 
 Each case runs in a fresh process, so its peak memory (VmHWM, the resident high-water mark) is its own. The process
 does what the aggregator does with a round's results: the strategy's folds (fairfl/fold.py)
@@ -39,6 +40,7 @@ def run_case(strategy_name: str, count: int, numel: int, streaming: bool) -> dic
     import torch
 
     from aggregator_service.engine import _folding
+    from fairfl.fold_kernel import kernel_for
     from fairfl.protocol import TRAIN, UPDATE, ClientResult
     from fairfl.strategy import PhasePlan, RoundContext, build_strategy
     from fairfl.v1 import federation_pb2
@@ -87,7 +89,9 @@ def run_case(strategy_name: str, count: int, numel: int, streaming: bool) -> dic
         "seconds": round(total, 3),
         "fold_seconds": round(folded, 3),
         "seconds_per_update": round(total / count, 4),
+        "fold_ms_per_update": round(folded / count * 1e3, 3),
         "fold_gbps": round(count * numel * 4 / folded / 1e9, 3),
+        "fold_kernel": "compiled" if kernel_for(numel) is not None else "torch ops",
         "peak_rss_bytes": peak_rss_bytes(),
         "baseline_rss_bytes": baseline,
         "rss_before_fold_bytes": before_fold,
@@ -121,9 +125,10 @@ def main() -> int:
         figure = json.loads(out.stdout.strip().splitlines()[-1])
         figures.append(figure)
         print(
-            f"{name:7s} {'streaming' if streaming else 'buffered ':9s} {count:5d} updates of {args.params / 1e6:.0f}M "
-            f"params: {figure['seconds']:8.2f} s ({figure['seconds_per_update']:.3f} s/update, "
-            f"{figure['fold_gbps']:.2f} GB/s folded), peak RSS {figure['peak_rss_bytes'] / 2**30:.2f} GiB",
+            f"{name:7s} {'streaming' if streaming else 'buffered ':9s} {count:5d} updates of {args.params / 1e6:.3g}M "
+            f"params: {figure['seconds']:8.2f} s ({figure['seconds_per_update']:.3f} s/update; fold "
+            f"{figure['fold_ms_per_update']:.3f} ms/update, {figure['fold_gbps']:.2f} GB/s, {figure['fold_kernel']}), "
+            f"peak RSS {figure['peak_rss_bytes'] / 2**30:.2f} GiB",
             flush=True,
         )
     for name in args.strategies:

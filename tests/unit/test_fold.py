@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine
-from fairfl import fold
+from fairfl import fold, fold_kernel
 from fairfl.compose.inprocess import InProcessTransport
 from fairfl.compose.local_privacy import LocalPrivacy
 from fairfl.compose.local_selection import LocalSelector
@@ -221,3 +221,45 @@ def test_the_buffer_pool_keeps_one_size_under_its_cap_and_drops_other_sizes_firs
     pool.give(4000, 1, large)  # a run with another model: the last one's idle buffers make room
     assert pool.take(4000, 1) is large
     assert pool.take(1000, 1) is not small
+
+
+def _sum_with(kernel: bool, vectors: list[torch.Tensor], weights: list[Weight], order: list[int]) -> ExactSum:
+    """The sum folded by the compiled kernel (fairfl/fold_kernel.py) or by the torch ops it replaces."""
+    numel = vectors[0].numel()
+    total = ExactSum(numel) if kernel else _torch_folded(numel)
+    assert (total._kernel is not None) == kernel
+    for i in order:
+        total.add(vectors[i], weights[i], key=i)
+    return total
+
+
+def _torch_folded(numel: int) -> ExactSum:
+    original = fold.kernel_for
+    fold.kernel_for = lambda _: None
+    try:
+        return ExactSum(numel)
+    finally:
+        fold.kernel_for = original
+
+
+def test_the_compiled_fold_is_there_for_big_vectors_only() -> None:
+    # numba is a pinned requirement: a kernel that stopped compiling would silently cost ~4x the aggregator's fold CPU.
+    assert fold_kernel.kernel_for(fold_kernel.MIN_NUMEL) is not None
+    assert fold_kernel.kernel_for(fold_kernel.MIN_NUMEL - 1) is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_compiled_fold_gives_the_torch_ops_bits_in_hi_and_lo(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    monkeypatch.setattr(fold, "FOLD_THREADS", threads)
+    numel = 4 * fold.BLOCK + 777  # several blocks, split into `threads` ranges
+    vectors = _vectors(7, numel, seed=5)
+    # Softmax weights growing and shrinking: the running log-sum-exp rescales the accumulator mid-fold.
+    weights = [Weight.exp(s) for s in (0.0, 40.0, -3.0, 90.0, 12.5, 89.0, -60.0)]
+    order = [3, 0, 6, 1, 5, 2, 4]
+    compiled, plain = _sum_with(True, vectors, weights, order), _sum_with(False, vectors, weights, order)
+    assert compiled.reference == plain.reference
+    hi = [torch.cat(total._buffers.hi)[:numel] for total in (compiled, plain)]  # the last block's padding aside
+    assert torch.equal(hi[0], hi[1])
+    assert torch.equal(compiled._buffers.lo, plain._buffers.lo)
+    assert torch.count_nonzero(plain._buffers.lo) > numel // 2  # the low words carry the rounding errors
+    assert torch.equal(compiled.weighted_mean(), plain.weighted_mean())
