@@ -31,6 +31,7 @@ from fairfl.config import ConfigError, ExperimentConfig
 from fairfl.data import run_signature
 from fairfl.data.groups import client_groups
 from fairfl.fold import ResultFold
+from fairfl.fold_kernel import kernel_for
 from fairfl.metrics.fairness import fairness_report, psi_telemetry
 from fairfl.models import build_run_model, require_signatures
 from fairfl.params import ParamLayout, flatten_parameters
@@ -245,6 +246,7 @@ class RoundEngine:
         self.reported_params = self.params  # a resumed run's: the checkpoint's model
         try:
             self.transport.start_run(self.run_id, cfg, self.layout)
+            kernel_for(self.layout.numel)  # the exact fold's compiled kernel (fairfl/fold_kernel.py), before round 1
             resuming = f"resuming after round {self.start_round - 1}: " if self.start_round > 1 else ""
             self._status(control_pb2.RUN_STATE_PENDING, f"{resuming}waiting for {cfg.data.num_clients} clients")
             self.transport.wait_for_clients(cfg.data.num_clients, cfg.runtime.register_timeout_s, self.stop)

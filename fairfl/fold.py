@@ -162,6 +162,7 @@ class ExactSum:
         self.weights: list[Weight] = []
         self.keys: list[int] = []  # who each weight belongs to (client ids), in arrival order
         self._lock = threading.Lock()
+        self._broken = ""  # why a fold failed part way (hi and lo are then unusable)
         self._kernel = kernel_for(numel)  # one compiled pass per block, or None: nine torch ops (the same bits)
         # Big vectors are folded by FOLD_THREADS workers on disjoint ranges (both kinds of kernel release the GIL).
         self._ranges = _split(numel, FOLD_THREADS if numel >= 4 * BLOCK else 1)
@@ -180,24 +181,34 @@ class ExactSum:
                 f"expected a flat float32 vector of {self.numel} values, got {vector.dtype} {list(vector.shape)}"
             )
         with self._lock:
+            self._check_intact()
+            if weight.mantissa != 0.0:
+                try:
+                    self._fold_all(vector.detach().contiguous(), weight)
+                except BaseException as err:  # hi and lo may hold part of it: the sum must not be used
+                    self._broken = f"{type(err).__name__}: {err}"
+                    raise
             self.weights.append(weight)
             self.keys.append(key)
-            if weight.mantissa == 0.0:
-                return
-            vector = vector.detach().contiguous()
-            if self.reference is None:
-                self.reference = weight.exponent
-            elif weight.exponent > self.reference:  # running log-sum-exp: rescale by a power of two (exact)
-                shrink = math.ldexp(1.0, self.reference - weight.exponent)
-                for index, start, end in self._blocks(0, self.numel):
-                    self._buffers.hi[index][: end - start].mul_(shrink)
-                self._buffers.lo.mul_(shrink)
-                self.reference = weight.exponent
-            factor = weight.scaled(self.reference)
-            if len(self._ranges) == 1:
-                self._fold(vector, factor, 0)
-            else:
-                list(_pool().map(lambda i: self._fold(vector, factor, i), range(len(self._ranges))))
+
+    def _check_intact(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"this sum is incomplete: a fold failed part way ({self._broken})")
+
+    def _fold_all(self, vector: torch.Tensor, weight: Weight) -> None:
+        if self.reference is None:
+            self.reference = weight.exponent
+        elif weight.exponent > self.reference:  # running log-sum-exp: rescale by a power of two (exact)
+            shrink = math.ldexp(1.0, self.reference - weight.exponent)
+            for index, start, end in self._blocks(0, self.numel):
+                self._buffers.hi[index][: end - start].mul_(shrink)
+            self._buffers.lo.mul_(shrink)
+            self.reference = weight.exponent
+        factor = weight.scaled(self.reference)
+        if len(self._ranges) == 1:
+            self._fold(vector, factor, 0)
+        else:
+            list(_pool().map(lambda i: self._fold(vector, factor, i), range(len(self._ranges))))
 
     def _fold(self, vector: torch.Tensor, factor: float, part: int) -> None:
         buffers = self._buffers
@@ -233,6 +244,7 @@ class ExactSum:
         """float32(Σ w_i v_i / 2**reference · scale), formed block by block (no float64 temporaries of full size)."""
         out = torch.empty(self.numel, dtype=torch.float32)
         with self._lock:
+            self._check_intact()
             part = self._buffers.scratch[0][0]
             for index, start, end in self._blocks(0, self.numel):
                 block = part[: end - start]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import threading
 from typing import Any
 
@@ -242,10 +243,80 @@ def _torch_folded(numel: int) -> ExactSum:
         fold.kernel_for = original
 
 
-def test_the_compiled_fold_is_there_for_big_vectors_only() -> None:
+def test_the_compiled_fold_is_there_for_big_vectors_only(monkeypatch: pytest.MonkeyPatch) -> None:
     # numba is a pinned requirement: a kernel that stopped compiling would silently cost ~4x the aggregator's fold CPU.
+    monkeypatch.delenv(fold_kernel.DISABLE_ENV, raising=False)
     assert fold_kernel.kernel_for(fold_kernel.MIN_NUMEL) is not None
     assert fold_kernel.kernel_for(fold_kernel.MIN_NUMEL - 1) is None
+    monkeypatch.setenv(fold_kernel.DISABLE_ENV, "torch")
+    assert fold_kernel.kernel_for(fold_kernel.MIN_NUMEL) is None
+
+
+def _fresh_compile(monkeypatch: pytest.MonkeyPatch, numba: Any) -> Any:
+    """kernel_for in a process that has not tried yet, with `numba` as the importable module (None: not there)."""
+    monkeypatch.setattr(fold_kernel, "_tried", False)
+    monkeypatch.setattr(fold_kernel, "_kernel", None)
+    monkeypatch.setitem(sys.modules, "numba", numba)
+    monkeypatch.delenv(fold_kernel.DISABLE_ENV, raising=False)
+    return fold_kernel.kernel_for(fold_kernel.MIN_NUMEL)
+
+
+class _FakeNumba:
+    """A numba whose njit raises, or compiles to `compiled` (a kernel that would give other bits)."""
+
+    def __init__(self, compiled: Any = None) -> None:
+        self.compiled = compiled
+        self.caches: list[bool] = []
+
+    def njit(self, _signature: str, cache: bool, **_options: Any) -> Any:
+        self.caches.append(cache)
+        if self.compiled is None:
+            raise OSError("no LLVM here")
+        return lambda _function: self.compiled
+
+
+def test_without_numba_or_a_working_compile_the_torch_ops_fold(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert _fresh_compile(monkeypatch, None) is None  # import numba raises ImportError
+    failing = _FakeNumba()
+    assert _fresh_compile(monkeypatch, failing) is None
+    assert failing.caches == [True, False]  # an unusable cache is retried without one
+    assert "no LLVM here" in caplog.text
+
+    def fast_two_sum(hi: np.ndarray, lo: np.ndarray, vector: np.ndarray, factor: float) -> None:
+        p = vector.astype(np.float64) * factor
+        s = hi + p
+        lo += p - (s - hi)  # exact only where |hi| >= |p|: other bits elsewhere
+        hi[:] = s
+
+    assert _fresh_compile(monkeypatch, _FakeNumba(fast_two_sum)) is None  # refused by the run-time check
+    assert "differs from the elementwise operations" in caplog.text
+    # A sum made now folds with torch ops, to the same bits as any other process.
+    vectors, weights = _vectors(3, fold_kernel.MIN_NUMEL, seed=8), [Weight.linear(w) for w in (1.0, 2.0, 7.0)]
+    plain = _sum(vectors, weights, [2, 0, 1])
+    assert plain._kernel is None
+    monkeypatch.setattr(fold_kernel, "_tried", False)
+    monkeypatch.delitem(sys.modules, "numba")
+    assert torch.equal(plain.weighted_mean(), _sum_with(True, vectors, weights, [1, 2, 0]).weighted_mean())
+
+
+def test_a_fold_that_fails_part_way_leaves_a_sum_that_refuses_to_be_used() -> None:
+    vectors = _vectors(2, fold_kernel.MIN_NUMEL, seed=9)
+    total = ExactSum(fold_kernel.MIN_NUMEL)
+    total.add(vectors[0], Weight.linear(2.0), key=0)
+
+    def half_then_fail(hi: np.ndarray, lo: np.ndarray, vector: np.ndarray, factor: float) -> None:
+        hi[: len(hi) // 2] += vector[: len(hi) // 2] * factor
+        raise MemoryError("out of memory mid-fold")
+
+    total._kernel = half_then_fail
+    with pytest.raises(MemoryError):
+        total.add(vectors[1], Weight.linear(3.0), key=1)
+    assert total.keys == [0]  # the failed term is not counted
+    for use in (lambda: total.weighted_mean(), lambda: total.add(vectors[1], Weight.linear(3.0), key=1)):
+        with pytest.raises(RuntimeError, match="incomplete: a fold failed part way"):
+            use()
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -253,11 +324,11 @@ def test_the_compiled_fold_gives_the_torch_ops_bits_in_hi_and_lo(monkeypatch: py
     monkeypatch.setattr(fold, "FOLD_THREADS", threads)
     numel = 4 * fold.BLOCK + 777  # several blocks, split into `threads` ranges
     vectors = _vectors(7, numel, seed=5)
-    # Softmax weights growing and shrinking: the running log-sum-exp rescales the accumulator mid-fold.
+    # Softmax weights arriving smallest first: the running log-sum-exp rescales the accumulator between folds.
     weights = [Weight.exp(s) for s in (0.0, 40.0, -3.0, 90.0, 12.5, 89.0, -60.0)]
-    order = [3, 0, 6, 1, 5, 2, 4]
+    order = [6, 0, 2, 1, 4, 5, 3]
     compiled, plain = _sum_with(True, vectors, weights, order), _sum_with(False, vectors, weights, order)
-    assert compiled.reference == plain.reference
+    assert compiled.reference == plain.reference == weights[3].exponent > weights[6].exponent
     hi = [torch.cat(total._buffers.hi)[:numel] for total in (compiled, plain)]  # the last block's padding aside
     assert torch.equal(hi[0], hi[1])
     assert torch.equal(compiled._buffers.lo, plain._buffers.lo)
