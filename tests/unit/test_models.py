@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
-from fairfl.models import build_model, count_parameters
+from fairfl.models import MaxPool2x2, build_model, count_parameters
 
 
 @pytest.mark.parametrize(
@@ -117,3 +120,31 @@ def test_bad_arguments_name_the_argument(name: str, shape: tuple[int, ...], kwar
 def test_bad_num_classes() -> None:
     with pytest.raises(ValueError, match="num_classes"):
         build_model("mlp", (784,), 1)
+
+
+def test_the_cnn_pools_without_autograd_to_the_same_bits_as_nn_maxpool2d(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_model("cnn", (1, 28, 28), 10)
+    twin = copy.deepcopy(model)
+    for index, module in enumerate(twin.body):  # the same network with torch's own pooling layer
+        if isinstance(module, MaxPool2x2):
+            twin.body[index] = nn.MaxPool2d(2)
+    layouts: list[bool] = []  # per pooling call: was its input channels-last?
+    pool = torch.nn.functional.max_pool2d
+
+    def recording(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        layouts.append(not x.is_contiguous())
+        return pool(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "max_pool2d", recording)
+    torch.manual_seed(0)
+    x = (torch.rand(64, 1, 28, 28) * 4).round() / 4  # coarse values: many tied maxima inside pooling windows
+    with torch.no_grad():
+        fast = model(x)
+        assert layouts == [True, True]
+        assert torch.equal(fast, twin(x))
+    # Under autograd the usual kernel runs (its backward is the faster one), and the gradients match too.
+    layouts.clear()
+    for net in (model, twin):
+        torch.nn.functional.cross_entropy(net(x), torch.arange(64) % 10).backward()
+    assert layouts == [False] * 4
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
