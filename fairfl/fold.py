@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fairfl.fold_kernel import kernel_for
+from fairfl.fold_kernel import kernel_for, two_sum_fold_ops
 from fairfl.protocol import UPDATE, ClientResult
 
 BLOCK = 1 << 18  # coordinates per block: 2 MiB of float64 temporaries, inside L2/L3
@@ -223,15 +223,7 @@ class ExactSum:
             n = end - start
             block, spare = buffers.hi[index], buffers.spare[part]
             hi, lo = block[:n], buffers.lo[start:end]
-            p, s, z = product[:n], spare[:n], carry[:n]
-            p.copy_(vector[start:end])  # to float64 first: the product must not round in float32
-            p.mul_(factor)  # exact: 24-bit mantissa × 24-bit coordinate
-            torch.add(hi, p, out=s)  # TwoSum(hi, p): s + error == hi + p exactly
-            torch.sub(s, hi, out=z)
-            p.sub_(z)  # p − (s − hi)
-            torch.sub(s, z, out=z)
-            torch.sub(hi, z, out=z)  # hi − (s − (s − hi))
-            lo.add_(z).add_(p)  # the rounding error of s joins the low word
+            two_sum_fold_ops(hi, lo, vector[start:end], factor, s=spare[:n], p=product[:n], z=carry[:n])
             buffers.hi[index], buffers.spare[part] = spare, block  # s is the new hi: swapped in, not copied
 
     def total_weight(self) -> float:

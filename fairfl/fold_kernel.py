@@ -5,7 +5,7 @@ passes over each block; compiled, it is one: about 4x less CPU per update (see t
 `python scripts/bench_aggregation.py --params 199210 --counts 100 --no-buffered --strategies fedavg`, with and
 without FAIRFL_FOLD_KERNEL=torch). Both run the same IEEE double operations in the same order, so they give the same
 bits; a process where numba is missing or cannot compile folds with torch and stays bit-equal to every process that
-can. Each process checks its kernel against the same operations done elementwise by numpy before using it.
+can. Each process checks its kernel against the torch ops before using it.
 
 numba is imported and the kernel compiled (or loaded from numba's cache) on first use, ~0.5 s, and only for vectors
 of at least MIN_NUMEL coordinates: small models gain nothing worth that in every process that folds. The engine asks
@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _lock = threading.Lock()
 
 
 def _two_sum_fold(hi: np.ndarray, lo: np.ndarray, vector: np.ndarray, factor: float) -> None:
-    """hi + lo += vector · factor, per coordinate. The order of operations is ExactSum's torch fallback's exactly:
+    """hi + lo += vector · factor, per coordinate, in two_sum_fold_ops' order of operations exactly:
     p = f64(v)·factor (exact: 24 × 24 bits); s = hi + p; z = s − hi; lo = (lo + (hi − (s − z))) + (p − z); hi = s."""
     for i in range(vector.shape[0]):
         p = np.float64(vector[i]) * factor
@@ -44,13 +45,25 @@ def _two_sum_fold(hi: np.ndarray, lo: np.ndarray, vector: np.ndarray, factor: fl
         hi[i] = s
 
 
-def _two_sum_fold_elementwise(hi: np.ndarray, lo: np.ndarray, vector: np.ndarray, factor: float) -> None:
-    """The same operations, a whole array at a time (what the torch fallback does): the kernel's reference."""
-    p = vector.astype(np.float64) * factor
-    s = hi + p
-    z = s - hi
-    lo[:] = (lo + (hi - (s - z))) + (p - z)
-    hi[:] = s
+def two_sum_fold_ops(
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    vector: torch.Tensor,
+    factor: float,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    z: torch.Tensor,
+) -> None:
+    """The same fold as torch ops over whole float64 blocks, into `s` (the new hi: the caller swaps it in rather than
+    copying it) and `lo`; `p` and `z` are scratch of the same size."""
+    p.copy_(vector)  # to float64 first: the product must not round in float32
+    p.mul_(factor)  # exact: 24-bit mantissa × 24-bit coordinate
+    torch.add(hi, p, out=s)  # TwoSum(hi, p): s + error == hi + p exactly
+    torch.sub(s, hi, out=z)
+    p.sub_(z)  # p − (s − hi)
+    torch.sub(s, z, out=z)
+    torch.sub(hi, z, out=z)  # hi − (s − (s − hi))
+    lo.add_(z).add_(p)  # the rounding error of s joins the low word
 
 
 def _compile() -> Kernel | None:
@@ -73,19 +86,20 @@ def _compile() -> Kernel | None:
 
 
 def _check(kernel: Kernel) -> None:
-    """The kernel against the elementwise reference on values whose sums round (mixed magnitudes, subnormals): a
-    kernel that computed anything else (a dropped or simplified error term) is refused here, not found later in a
-    run's results."""
+    """The kernel against the torch ops on values whose sums round (mixed magnitudes, subnormals): a kernel that
+    computed anything else (a dropped or simplified error term) is refused here, not found later in a run's results."""
     rng = np.random.default_rng(0)
     vector = (rng.standard_normal(4096) * np.exp2(rng.integers(-140, 40, 4096))).astype(np.float32)
     hi = rng.standard_normal(4096) * np.exp2(rng.integers(-1060, 30, 4096).astype(np.float64))
     lo = hi * 2.0**-60
-    expected_hi, expected_lo = hi.copy(), lo.copy()
+    ops_hi, ops_lo = torch.from_numpy(hi.copy()), torch.from_numpy(lo.copy())
+    s, p, z = (torch.empty_like(ops_hi) for _ in range(3))
     for factor in (1.0, 0.75, 2.0**-1000, 3.0 * 2.0**20):
         kernel(hi, lo, vector, factor)
-        _two_sum_fold_elementwise(expected_hi, expected_lo, vector, factor)
-    if not (np.array_equal(hi, expected_hi) and np.array_equal(lo, expected_lo)):
-        raise RuntimeError("the compiled TwoSum differs from the elementwise operations")
+        two_sum_fold_ops(ops_hi, ops_lo, torch.from_numpy(vector), factor, s, p, z)
+        ops_hi, s = s, ops_hi
+    if not (np.array_equal(hi, ops_hi.numpy()) and np.array_equal(lo, ops_lo.numpy())):
+        raise RuntimeError("the compiled TwoSum differs from the torch ops")
 
 
 def kernel_for(numel: int) -> Kernel | None:
