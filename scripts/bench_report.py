@@ -417,8 +417,9 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
             f"{machine.get('grpcio')}, {machine.get('numpy')} |",
             f"| commit | {machine.get('commit') or 'unknown'} |",
             "",
-            "Each section names when it finished and the machine's load average then (other jobs sharing the cores "
-            "make timings noisy).",
+            "Each section names when it finished, the commit it measured (`make bench BENCH_ONLY=...` re-runs some "
+            "sections and keeps the others) and the machine's load average then (other jobs sharing the cores make "
+            "timings noisy).",
             "",
         ]
     lines += ["## Acceptance", "", "| criterion | measured | target | result |", "|---|---|---|---|"]
@@ -446,7 +447,11 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
         run_machine = result.get("machine") if isinstance(result.get("machine"), dict) else None
         if run_machine:
             load = ", ".join(str(x) for x in run_machine.get("load_average", []))
-            lines += [f"Finished {run_machine.get('date', '?')}; load average then {load} (its own processes too).", ""]
+            at = f" at commit {run_machine['commit']}" if run_machine.get("commit") else ""
+            lines += [
+                f"Finished {run_machine.get('date', '?')}{at}; load average then {load} (its own processes too).",
+                "",
+            ]
         if status not in ("ok",):
             reason = record.get("reason", "")
             lines += [f"**{status}**" + (f": {reason}" if reason else ""), ""]

@@ -153,7 +153,10 @@ def test_report_renders_figures_targets_commands_and_every_acceptance_criterion(
     assert "| gRPC: seconds per round | 253.4 ms |  |  |" in md
     assert "| update up as float16 (lossy, float32-equivalent GB/s) | 1.1 GB/s |  |  |" in md
     assert "| CPU | AMD EPYC, 2 cores (2 usable) |" in md and "| commit | abc1234 |" in md
-    assert "Finished 2026-11-21 10:00 UTC; load average then 0.5, 0.4, 0.3 (its own processes too)." in md
+    assert (
+        "Finished 2026-11-21 10:00 UTC at commit abc1234; load average then 0.5, 0.4, 0.3 (its own processes too)."
+        in md
+    )
     assert "**failed**: exit status 1 and no JSON" in md and "Traceback: boom" in md
     assert "**skipped**: no CUDA device" in md
     assert "## 3. Transfer" in md and "## 6b. Accounting" in md and "**not run**" in md
