@@ -117,9 +117,26 @@ class MaxPool2x2(nn.MaxPool2d):
         super().__init__(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dim() != 4 or (torch.is_grad_enabled() and x.requires_grad):
-            return super().forward(x)
-        return super().forward(x.contiguous(memory_format=torch.channels_last)).contiguous()
+        if self._channels_last_pays(x):
+            return super().forward(x.contiguous(memory_format=torch.channels_last)).contiguous()
+        return super().forward(x)
+
+    @staticmethod
+    def _channels_last_pays(x: torch.Tensor) -> bool:
+        """A plain CPU batch in the default layout, outside autograd: not a vmap's batched tensor (its layout cannot
+        change), and not an input already in another layout (nn.MaxPool2d hands that layout on; so must this)."""
+        return (
+            x.device.type == "cpu"
+            and x.dim() == 4
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and not _functorch_wrapped(x)
+            and x.is_contiguous()
+        )
+
+
+def _functorch_wrapped(x: torch.Tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return True if check is None else bool(check(x))  # unknown: assume wrapped, take the usual kernel
 
 
 def _build_cnn(

@@ -382,6 +382,19 @@ def fmt_target(figure: dict[str, Any]) -> str:
     return f"{op} {bound}" if unit != "bool" else "yes"
 
 
+def _commits_row(records: dict[str, dict[str, Any]]) -> str:
+    """The commit(s) the sections measured: one, or each distinct one (a BENCH_ONLY re-run keeps older sections)."""
+    commits = []
+    for record in records.values():
+        machine = record.get("result", {}).get("machine") if isinstance(record.get("result"), dict) else None
+        commit = machine.get("commit") if isinstance(machine, dict) else None
+        if commit and commit not in commits:
+            commits.append(commit)
+    if len(commits) > 1:
+        return f"| commits | {', '.join(commits)} (each section names its own) |"
+    return f"| commit | {commits[0] if commits else 'unknown'} |"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -415,7 +428,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
             f"| OS | {machine.get('os', '?')} |",
             f"| Python, torch, grpcio, numpy | {machine.get('python')}, {machine.get('torch')}, "
             f"{machine.get('grpcio')}, {machine.get('numpy')} |",
-            f"| commit | {machine.get('commit') or 'unknown'} |",
+            _commits_row(records),
             "",
             "Each section names when it finished, the commit it measured (`make bench BENCH_ONLY=...` re-runs some "
             "sections and keeps the others) and the machine's load average then (other jobs sharing the cores make "

@@ -267,3 +267,11 @@ def test_issue_21s_floor_figures_are_their_own_acceptance_rows() -> None:
         "not evaluated",
     ]
     assert rows["Round overhead ≤ 1.15x the plain loop (default preset, 2-core CPU, loopback)"][2] == "pass"
+
+
+def test_sections_measured_at_different_commits_say_so() -> None:
+    older = {**result([]), "machine": {**MACHINE, "commit": "0ld0001"}}
+    records = {"round": {"status": "ok", "result": result([])}, "wire": {"status": "ok", "result": older}}
+    md = bench_report.render(records, quick=False, generated="now")
+    assert "| commits | abc1234, 0ld0001 (each section names its own) |" in md
+    assert "at commit abc1234;" in md and "at commit 0ld0001;" in md

@@ -122,29 +122,64 @@ def test_bad_num_classes() -> None:
         build_model("mlp", (784,), 1)
 
 
-def test_the_cnn_pools_without_autograd_to_the_same_bits_as_nn_maxpool2d(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = build_model("cnn", (1, 28, 28), 10)
+def _twins(input_shape: tuple[int, ...], **params: Any) -> tuple[nn.Module, nn.Module]:
+    """The built-in CNN, and the same network (same weights) with torch's own pooling layer."""
+    model = build_model("cnn", input_shape, 10, **params)
     twin = copy.deepcopy(model)
-    for index, module in enumerate(twin.body):  # the same network with torch's own pooling layer
+    for index, module in enumerate(twin.body):
         if isinstance(module, MaxPool2x2):
             twin.body[index] = nn.MaxPool2d(2)
-    layouts: list[bool] = []  # per pooling call: was its input channels-last?
+    return model, twin
+
+
+@pytest.fixture
+def pool_layouts(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Per max-pool call from here on: was its input in channels-last layout (and not also the default one)?"""
+    layouts: list[bool] = []
     pool = torch.nn.functional.max_pool2d
 
     def recording(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        layouts.append(not x.is_contiguous())
+        if not torch._C._functorch.is_functorch_wrapped_tensor(x):
+            layouts.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
         return pool(x, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "max_pool2d", recording)
+    return layouts
+
+
+@pytest.mark.parametrize(("input_shape", "kernel_size"), [((1, 28, 28), 5), ((3, 29, 29), 4)])
+def test_the_cnn_pools_without_autograd_to_the_same_bits_as_nn_maxpool2d(
+    pool_layouts: list[bool], input_shape: tuple[int, ...], kernel_size: int
+) -> None:
+    model, twin = _twins(input_shape, kernel_size=kernel_size)  # (3, 29, 29) with 4x4 kernels: odd pooling inputs
     torch.manual_seed(0)
-    x = (torch.rand(64, 1, 28, 28) * 4).round() / 4  # coarse values: many tied maxima inside pooling windows
+    x = (torch.rand(16, *input_shape) * 4).round() / 4  # coarse values: many tied maxima inside pooling windows
+    x[0, 0, 3, 5] = float("nan")
     with torch.no_grad():
         fast = model(x)
-        assert layouts == [True, True]
-        assert torch.equal(fast, twin(x))
+        assert pool_layouts == [True, True]  # the channels-last kernel ran
+        assert torch.equal(fast[1:], twin(x)[1:]) and bool(torch.isnan(fast[0]).all())
     # Under autograd the usual kernel runs (its backward is the faster one), and the gradients match too.
-    layouts.clear()
+    pool_layouts.clear()
+    x = x[1:]
     for net in (model, twin):
-        torch.nn.functional.cross_entropy(net(x), torch.arange(64) % 10).backward()
-    assert layouts == [False] * 4
+        torch.nn.functional.cross_entropy(net(x), torch.arange(len(x)) % 10).backward()
+    assert pool_layouts == [False] * 4
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+def test_the_cnn_keeps_the_usual_kernel_for_vmap_and_for_channels_last_inputs(pool_layouts: list[bool]) -> None:
+    model, twin = _twins((3, 32, 32))
+    x = torch.rand(4, 3, 32, 32)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def per_sample(net: nn.Module) -> torch.Tensor:
+        return torch.func.vmap(lambda xi: torch.func.functional_call(net, params, (xi.unsqueeze(0),)))(x)
+
+    with torch.no_grad():
+        assert torch.equal(per_sample(model), per_sample(twin))  # a batched tensor cannot change layout
+        # An input already channels-last: handed on in that layout, as nn.MaxPool2d does, so conv2 gets what it would.
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+        pool_layouts.clear()
+        assert torch.equal(model(x_cl), twin(x_cl))
+    assert pool_layouts == [True, True] * 2  # channels-last in both networks alike (the input's own layout)
