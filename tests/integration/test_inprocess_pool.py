@@ -552,15 +552,22 @@ def test_tasks_go_to_the_least_loaded_worker_process(monkeypatch: pytest.MonkeyP
     transport, tasks = _process_phase(2)
     ran_on: list[int] = []
     run = WorkerProcess.run
+    # The first two tasks wait until both are dispatched: a task that finished before the other was dispatched would
+    # leave its process idle again, and then either process is a right choice.
+    both_dispatched = threading.Barrier(2, timeout=30.0)
+    first_phase = True
 
     def recording(self: WorkerProcess, task: federation_pb2.Task) -> ClientResult:
         ran_on.append(self.index)
+        if first_phase:
+            both_dispatched.wait()
         return run(self, task)
 
     monkeypatch.setattr(WorkerProcess, "run", recording)  # the parent's side: which process each task went to
     try:
         outcome = transport.execute(tasks[:2], 60.0)  # two tasks, two processes: one each, never both on one
         assert sorted(ran_on) == [0, 1] and [r.client_id for r in outcome.results] == [0, 1]
+        first_phase = False
         ran_on.clear()
         outcome = transport.execute(tasks, 60.0)
         assert sorted(set(ran_on)) == [0, 1] and len(outcome.results) == NUM_CLIENTS
