@@ -382,12 +382,18 @@ def fmt_target(figure: dict[str, Any]) -> str:
     return f"{op} {bound}" if unit != "bool" else "yes"
 
 
+def _machine_of(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The machine a benchmark's result says it ran on, or None (not run, failed, or no machine reported)."""
+    result = record.get("result")
+    machine = result.get("machine") if isinstance(result, dict) else None
+    return machine if isinstance(machine, dict) else None
+
+
 def _commits_row(records: dict[str, dict[str, Any]]) -> str:
     """The commit(s) the sections measured: one, or each distinct one (a BENCH_ONLY re-run keeps older sections)."""
-    commits = []
+    commits: list[str] = []
     for record in records.values():
-        machine = record.get("result", {}).get("machine") if isinstance(record.get("result"), dict) else None
-        commit = machine.get("commit") if isinstance(machine, dict) else None
+        commit = (_machine_of(record) or {}).get("commit")
         if commit and commit not in commits:
             commits.append(commit)
     if len(commits) > 1:
@@ -414,10 +420,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
         "#9, #20 and #21's acceptance criteria (#21's rows are marked).",
         "",
     ]
-    machine = next(
-        (r["result"]["machine"] for r in records.values() if isinstance(r.get("result", {}).get("machine"), dict)),
-        None,
-    )
+    machine = next(filter(None, map(_machine_of, records.values())), None)
     if machine:
         lines += ["## Machine", "", "| | |", "|---|---|"]
         lines += [
@@ -457,7 +460,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
         if command:
             lines.append(f"Command: `{command}`" + (f" ({record['seconds']:g} s)" if "seconds" in record else ""))
             lines.append("")
-        run_machine = result.get("machine") if isinstance(result.get("machine"), dict) else None
+        run_machine = _machine_of(record)
         if run_machine:
             load = ", ".join(str(x) for x in run_machine.get("load_average", []))
             at = f" at commit {run_machine['commit']}" if run_machine.get("commit") else ""

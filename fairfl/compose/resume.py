@@ -45,12 +45,13 @@ def unstated_fields(stored: Any, config: ExperimentConfig) -> list[str]:
     a config written before such a field existed took its default when read, and nothing proves that default is what
     the older code did, so a result written then is not reused as this experiment's."""
     missing: list[str] = []
+    may_be_unstated = {f"runtime.{f}" for f in EXECUTION_FIELDS}
 
     def walk(have: Any, want: dict[str, Any], path: str) -> None:
         for key, value in want.items():
             where = f"{path}{key}"
             if not isinstance(have, dict) or key not in have:
-                if where not in {f"runtime.{f}" for f in EXECUTION_FIELDS}:
+                if where not in may_be_unstated:
                     missing.append(where)
             elif isinstance(value, dict):
                 walk(have[key], value, f"{where}.")
