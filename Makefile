@@ -72,9 +72,11 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
-# Benchmark scripts (not tests), each as its own process; BENCH_ONLY=round,wire runs some again, keeping the others.
+# Benchmark scripts (not tests), each as its own process; BENCH_ONLY=round,wire runs some again, keeping the others;
+# BENCH_ADD=gpu=gpu.json takes a section from a script's --json written on another machine (a GPU one) instead.
 bench: setup
-	$(PY) scripts/bench_report.py $(if $(BENCH_QUICK),--quick) $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
+	$(PY) scripts/bench_report.py $(if $(BENCH_QUICK),--quick) $(if $(BENCH_ONLY),--only $(BENCH_ONLY)) \
+		$(if $(BENCH_ADD),--add $(BENCH_ADD))
 
 # Every committed comparison re-run from this commit into docs/results, resuming what an earlier call finished; then
 # docs/results/claims.md indexes every claim held or not (scripts/results.py). Long: not part of `make test`.

@@ -120,7 +120,8 @@ def summary(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def grpc_variant(config: Any, workdir: Path) -> dict[str, Any]:
+def grpc_variant(config: Any, workdir: Path) -> tuple[dict[str, Any], list[list[int]]]:
+    """The run's figures and each round's selected clients (which the plain loop replays)."""
     with UtilisationSampler() as sampler:
         trace = benchlib.run_grpc_traced(config, workdir)
     if not trace.completed:
@@ -130,7 +131,7 @@ def grpc_variant(config: Any, workdir: Path) -> dict[str, Any]:
     training = [w for w, r in zip(windows, trace.rounds, strict=True) if not r.evaluated and r.round > 1]
     train_rounds = [r.duration_seconds for r in trace.rounds if not r.evaluated and r.round > 1]
     final = next((r.fairness.mean for r in reversed(trace.rounds) if r.evaluated), math.nan)
-    return {
+    figures = {
         "agents": config.runtime.agents,
         "clients": config.data.num_clients,
         "clients_per_round": config.selection.clients_per_round,
@@ -142,6 +143,26 @@ def grpc_variant(config: Any, workdir: Path) -> dict[str, Any]:
         "util_whole_run": summary(sampler.within(windows[1:])),
         "util_source": sampler.source,
         "final_mean_accuracy": None if math.isnan(final) else round(final, 2),
+    }
+    return figures, [list(r.selected) for r in trace.rounds]
+
+
+def plain_variant(config: Any, selections: list[list[int]], device: torch.device) -> dict[str, Any]:
+    """The preset's rounds in scripts/bench_round.py's plain PyTorch loop on `device`, replaying the gRPC run's
+    selections: the same clients, batches and evaluations in one process, with no services, agents or wire."""
+    from bench_round import LoopTiming, loss_passes_run, plain_loop
+
+    passes_run = loss_passes_run(config)
+    with UtilisationSampler() as sampler:
+        plain = plain_loop(config, selections, loss_passes=passes_run, device=device)
+    windows = list(zip(plain.arrivals, plain.arrivals[1:], strict=False))
+    training = [w for w, e in zip(windows, plain.eval_round_seconds[1:], strict=True) if e == 0.0]
+    return {
+        "rounds": len(selections),
+        "seconds_per_round": round(LoopTiming.of(plain, passes_run).floor, 4),
+        "util_training": summary(sampler.within(training)),
+        "util_source": sampler.source,
+        "final_mean_accuracy": None if math.isnan(plain.final_accuracy) else round(plain.final_accuracy, 2),
     }
 
 
@@ -226,18 +247,24 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(0)
     print(f"GPU: {gpu}")
     details: dict[str, Any] = {"gpu": gpu, "cuda": torch.version.cuda}
+    selections: dict[str, list[list[int]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         for name, cfg in (("preset", config), ("packed", packed)):
             print(
                 f"{name}: {cfg.rounds} rounds, {cfg.runtime.agents} agent(s), {cfg.selection.clients_per_round}/round"
             )
-            details[name] = grpc_variant(cfg, Path(tmp) / name)
+            details[name], selections[name] = grpc_variant(cfg, Path(tmp) / name)
             print(f"  {json.dumps(details[name])}")
+    for name, cfg in (("preset", config), ("packed", packed)):
+        print(f"plain GPU loop, the {name} run's selections")
+        details[f"plain_{name}"] = plain_variant(cfg, selections[name], torch.device("cuda"))
+        print(f"  {json.dumps(details[f'plain_{name}'])}")
     print("trainer alone")
     details["trainer"] = trainer_variant(config, 20 if args.quick else config.data.num_clients, torch.device("cuda"))
     print(f"  {json.dumps(details['trainer'])}")
 
     p, k, tr = details["preset"], details["packed"], details["trainer"]
+    lp, lk = details["plain_preset"], details["plain_packed"]
     figures = [
         benchlib.figure(
             "GPU: seconds per round, default preset over gRPC",
@@ -245,6 +272,21 @@ def main(argv: list[str] | None = None) -> int:
             "s",
             note=f"{p['agents']} agents on cuda, {p['clients_per_round']} clients/round, rounds 2-{p['rounds']}",
             key="gpu_seconds_per_round",
+        ),
+        benchlib.figure(
+            "GPU: plain PyTorch loop, seconds per round, default preset",
+            lp["seconds_per_round"],
+            "s",
+            note=f"one process on cuda replaying the gRPC run's selections; GPU utilisation while training mean "
+            f"{lp['util_training']['mean']}%, p50 {lp['util_training']['p50']}%",
+            key="gpu_plain_seconds_per_round",
+        ),
+        benchlib.figure(
+            "GPU: default preset over gRPC / the plain GPU loop, round time",
+            p["seconds_per_round"] / lp["seconds_per_round"],
+            "x",
+            note="2 agent processes on one GPU, mutual TLS, against one plain process",
+            key="gpu_over_plain",
         ),
         benchlib.figure(
             "GPU utilisation while training, default preset (mean)",
@@ -259,6 +301,14 @@ def main(argv: list[str] | None = None) -> int:
             "s",
             note=f"{k['clients_per_round']} clients/round on one agent, rounds 2-{k['rounds']}",
             key="gpu_packed_seconds_per_round",
+        ),
+        benchlib.figure(
+            "GPU: 1 agent with 50 logical clients per round / the plain GPU loop, round time",
+            k["seconds_per_round"] / lk["seconds_per_round"],
+            "x",
+            note=f"plain loop {lk['seconds_per_round']} s/round on the same selections, utilisation mean "
+            f"{lk['util_training']['mean']}%",
+            key="gpu_packed_over_plain",
         ),
         benchlib.figure(
             "GPU utilisation while training, 1 agent with 50 logical clients per round (mean)",

@@ -4,6 +4,7 @@
     python scripts/bench_report.py --quick                 # smoke pass: runs/bench/benchmarks-quick.md
     python scripts/bench_report.py --only round,wire       # run these again, keep the others' last figures
     python scripts/bench_report.py --render                # only re-render the markdown from the JSON
+    python scripts/bench_report.py --add gpu=gpu.json      # a script's --json written on another machine (a GPU)
 
 Each scripts/bench_<name>.py is run as its own process with `--json PATH` (and `--quick` when asked and the script
 has it); its output goes to runs/bench/<name>.log. A script writes either a `figures` list (scripts/benchlib.py:
@@ -103,7 +104,9 @@ BENCHMARKS = [
         "gpu",
         "bench_gpu.py",
         "7. GPU",
-        "Where a GPU is present: the default preset with agents on the GPU, and its utilisation during local training.",
+        "Where a GPU is present: the default preset with agents on the GPU, its utilisation during local training, and "
+        "the same rounds in a plain PyTorch loop on the GPU. A GPU machine's figures join this report with "
+        "`python scripts/bench_gpu.py --json gpu.json` there and `make bench BENCH_ADD=gpu=gpu.json` here.",
     ),
     Benchmark(
         "site_memory",
@@ -401,6 +404,17 @@ def _commits_row(records: dict[str, dict[str, Any]]) -> str:
     return f"| commit | {commits[0] if commits else 'unknown'} |"
 
 
+def _other_machine(machine: dict[str, Any]) -> str:
+    """The line for a section measured elsewhere than the machine table's (a GPU machine, say)."""
+    return (
+        f"Measured on another machine: {machine.get('gpu', 'no GPU')}, {machine.get('cpu', '?')} "
+        f"({machine.get('usable_cores', '?')} usable cores), {machine.get('ram_gib', '?')} GiB; "
+        f"{machine.get('os', '?')}; "
+        f"Python {machine.get('python')}, torch {machine.get('torch')}, grpcio {machine.get('grpcio')}, numpy "
+        f"{machine.get('numpy')}."
+    )
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -468,6 +482,8 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
                 f"Finished {run_machine.get('date', '?')}{at}; load average then {load} (its own processes too).",
                 "",
             ]
+            if machine and any(run_machine.get(k) != machine.get(k) for k in ("cpu", "cores", "gpu", "os")):
+                lines += [_other_machine(run_machine), ""]
         if status not in ("ok",):
             reason = record.get("reason", "")
             lines += [f"**{status}**" + (f": {reason}" if reason else ""), ""]
@@ -515,23 +531,54 @@ def _strip_json(command: str) -> str:
     return shlex.join(out)
 
 
+def _added_record(parser: argparse.ArgumentParser, spec: str) -> tuple[str, dict[str, Any]]:
+    """`NAME=PATH` of --add: the record of a benchmark run elsewhere, from the JSON its script wrote there."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        parser.error(f"--add {spec!r}: expected NAME=PATH, e.g. gpu=runs/gpu.json")
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        parser.error(f"--add {spec!r}: cannot read the benchmark's JSON: {err}")
+    if not isinstance(result, dict) or not ("figures" in result or "skipped" in result):
+        parser.error(f"--add {spec!r}: {path} is not a benchmark script's --json output (no figures)")
+    record: dict[str, Any] = {"command": _strip_json(str(result.get("command", ""))), "result": result}
+    if isinstance(result.get("elapsed_s"), int | float):
+        record["seconds"] = result["elapsed_s"]
+    if "skipped" in result:
+        record.update(status="skipped", reason=str(result["skipped"]))
+    else:
+        record["status"] = "ok"
+    return name.strip(), record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke pass: fewer rounds and repeats")
     parser.add_argument("--only", default="", help="comma-separated benchmarks to run: " + ", ".join(BY_NAME))
     parser.add_argument("--render", action="store_true", help="run nothing; render the markdown from the JSON")
+    parser.add_argument(
+        "--add",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="take benchmark NAME's figures from the JSON its script wrote with --json PATH on another machine (one "
+        "with a GPU, say) instead of running it here; implies --only for the rest",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown path (the JSON goes beside it)")
     args = parser.parse_args(argv)
     output = args.output or (QUICK_OUTPUT if args.quick else DEFAULT_OUTPUT)
     json_path = output.with_suffix(".json")
     only = [n.strip() for n in args.only.split(",") if n.strip()]
-    unknown = [n for n in only if n not in BY_NAME]
+    added = dict(_added_record(parser, spec) for spec in args.add)
+    unknown = [n for n in [*only, *added] if n not in BY_NAME]
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
     records: dict[str, dict[str, Any]] = {}
-    if json_path.exists() and (only or args.render):  # keep the figures of benchmarks not run again
+    if json_path.exists() and (only or added or args.render):  # keep the figures of benchmarks not run again
         records = json.loads(json_path.read_text())
-    if not args.render:
+    records.update(added)
+    if not args.render and (only or not added):
         json_dir = LOG_DIR / "json"
         json_dir.mkdir(parents=True, exist_ok=True)
         for bench in BENCHMARKS:

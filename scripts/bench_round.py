@@ -115,22 +115,29 @@ def _check_plain_loop_applies(config: Any) -> None:
         raise SystemExit("bench_round: the plain loop cannot reproduce this experiment: " + "; ".join(problems))
 
 
-def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = True, threads: int = 1) -> PlainLoop:
-    """The experiment's local training and evaluation in one process with plain torch (see the module doc)."""
+def plain_loop(
+    config: Any,
+    selections: list[list[int]],
+    loss_passes: bool = True,
+    threads: int = 1,
+    device: torch.device | None = None,
+) -> PlainLoop:
+    """The experiment's local training and evaluation in one process with plain torch (see the module doc), on the CPU
+    or on `device` (every client's data put on it once, before round 1, as a plain GPU script would)."""
     from aggregator_service.engine import task_seed  # the trainer's per-(round, client) seed: same batch order
     from fairfl.data import DataSignature, load_run_data
     from fairfl.models import build_run_model
+    from fairfl.params import synchronize
 
+    device = device or torch.device("cpu")
     torch.set_num_threads(threads)
     data = load_run_data(config)
-    model = build_run_model(config, DataSignature(data.input_shape, data.num_classes))
+    model = build_run_model(config, DataSignature(data.input_shape, data.num_classes)).to(device)
     params = list(model.parameters())
     clients = [
-        (
-            torch.from_numpy(data.train.x[tr]),
-            torch.from_numpy(data.train.y[tr]),
-            torch.from_numpy(data.test.x[te]),
-            torch.from_numpy(data.test.y[te]),
+        tuple(
+            torch.from_numpy(a).to(device)
+            for a in (data.train.x[tr], data.train.y[tr], data.test.x[te], data.test.y[te])
         )
         for tr, te in zip(data.train_indices, data.test_indices, strict=True)
     ]
@@ -174,7 +181,7 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
             for _ in range(steps):
                 if position + batch > len(order):
                     order, position = torch.randperm(n, generator=gen), 0
-                idx = order[position : position + batch]
+                idx = order[position : position + batch].to(device, non_blocking=True)
                 position += batch
                 loss = F.cross_entropy(model(x[idx]), y[idx])
                 opt.zero_grad()
@@ -188,7 +195,7 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
             updates.append(torch.nn.utils.parameters_to_vector(params).detach() - global_params)
             sizes.append(n)
             task_seconds += time.perf_counter() - task_started - (pass_seconds - task_passes)
-        weights = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+        weights = torch.tensor(sizes, dtype=torch.float32, device=device) / sum(sizes)
         global_params = global_params + config.strategy.server_lr * (weights @ torch.stack(updates))
         eval_seconds = 0.0
         if round_number % config.evaluation.every == 0 or round_number == len(selections):
@@ -198,6 +205,7 @@ def plain_loop(config: Any, selections: list[list[int]], loss_passes: bool = Tru
             out.final_accuracy = float(np.mean(accuracies))
             eval_seconds = time.perf_counter() - started
             out.eval_seconds += eval_seconds
+        synchronize(device)  # the round's work done, not only queued
         out.task_seconds.append(task_seconds)
         out.eval_round_seconds.append(eval_seconds)
         out.arrivals.append(time.perf_counter())

@@ -143,4 +143,6 @@ def test_cuda_training_does_not_wait_for_the_device_every_step(
     short = count_syncs(lambda: rt.run(task(1, local_steps=2, batch_size=16, lr=0.05, **extra)))
     long = count_syncs(lambda: rt.run(task(2, local_steps=30, batch_size=16, lr=0.05, **extra)))
     assert short > 0  # the check sees syncs (reading losses, handing the result over)
-    assert long == short  # 28 more steps, not one more wait for the device
+    # 28 more steps, not one more wait for the device. (Fewer can happen: seen on an H200, 6 against 7, when the short
+    # task's allocations were the first of their sizes.)
+    assert long <= short, f"{long} syncs for 30 steps against {short} for 2"

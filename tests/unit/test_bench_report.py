@@ -275,3 +275,40 @@ def test_sections_measured_at_different_commits_say_so() -> None:
     md = bench_report.render(records, quick=False, generated="now")
     assert "| commits | abc1234, 0ld0001 (each section names its own) |" in md
     assert "at commit abc1234;" in md and "at commit 0ld0001;" in md
+
+
+def test_a_benchmark_measured_on_another_machine_is_added_and_says_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "docs" / "benchmarks.md"
+    out.parent.mkdir()
+    out.with_suffix(".json").write_text(json.dumps({"round": {"status": "ok", "result": result([])}}))
+    gpu_machine = {**MACHINE, "cpu": "Xeon", "cores": 16, "usable_cores": 16, "gpu": "NVIDIA H200", "commit": "9d0"}
+    measured = {
+        **result([benchlib.figure("GPU: seconds per round", 0.0814, "s", key="gpu_seconds_per_round")]),
+        "machine": gpu_machine,
+        "command": "python scripts/bench_gpu.py --json /root/out/gpu.json",
+        "elapsed_s": 131.0,
+    }
+    (tmp_path / "gpu.json").write_text(json.dumps(measured))
+
+    def must_not_run(*args: object, **kwargs: object) -> dict:
+        raise AssertionError("--add alone runs no benchmark here")
+
+    monkeypatch.setattr(bench_report, "run_benchmark", must_not_run)
+    assert bench_report.main(["--add", f"gpu={tmp_path / 'gpu.json'}", "--output", str(out)]) == 0
+    md = out.read_text()
+    assert set(json.loads(out.with_suffix(".json").read_text())) == {"round", "gpu"}  # the earlier section kept
+    assert "Command: `python scripts/bench_gpu.py` (131 s)" in md  # the harness's --json path left out
+    assert "| GPU: seconds per round | 81.4 ms |  |  |" in md
+    assert "Measured on another machine: NVIDIA H200, Xeon (16 usable cores)" in md
+    assert md.count("Measured on another machine") == 1  # the round section ran on the table's machine
+    (tmp_path / "bad.json").write_text("{}")
+    for spec in (
+        "gpu",
+        f"gpu={tmp_path / 'missing.json'}",
+        f"gpu={tmp_path / 'bad.json'}",
+        f"nonsense={tmp_path / 'gpu.json'}",
+    ):
+        with pytest.raises(SystemExit):
+            bench_report.main(["--add", spec, "--output", str(out)])
