@@ -16,6 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -229,6 +230,8 @@ class RoundEngine:
         # Streaming aggregation (fairfl/fold.py) unless something needs the round's updates whole: client-level
         # DP clips each one at aggregation, and Clustered Sampling / DivFL bank every client's last update.
         self._streams = not (self.dp is not None and self.dp.client_level) and self.selection.bank is None
+        # Non-private rounds' ledger records, written while the round trains (see _authorize).
+        self._ledger_writer: ThreadPoolExecutor | None = None
 
     def _status(self, state: int, message: str = "") -> None:
         status = control_pb2.RunStatus(
@@ -273,6 +276,8 @@ class RoundEngine:
             self._end(control_pb2.RUN_STATE_FAILED, f"{type(err).__name__}: {err}")
             return RunSummary(self.run_id, control_pb2.RUN_STATE_FAILED, self.completed_round, self.params, str(err))
         finally:
+            if self._ledger_writer is not None:  # a record still in flight (the run ended inside a round) finishes
+                self._ledger_writer.shutdown(wait=True)
             if self.checkpointer is not None:  # ended otherwise (BaseException): the writer finishes what it has
                 self.checkpointer.close()
             self.transport.end_run(self.run_id)
@@ -375,17 +380,16 @@ class RoundEngine:
         started = time.monotonic()
         model_ref = self._publish_params()
         selected, population, quorum, selection_seconds = self._select(round_number, model_ref)
-        epsilon = self._authorize(round_number, selected, population)
+        recorded = self._authorize(round_number, selected, population)
         ctx = self._round_context(round_number, selected)
-        event = control_pb2.RoundEvent(
-            round=round_number, selected=selected, epsilon_spent=epsilon, selection_seconds=selection_seconds
-        )
+        event = control_pb2.RoundEvent(round=round_number, selected=selected, selection_seconds=selection_seconds)
         phases, complete = self._exchange(ctx, model_ref, quorum, event)
         self.selection.observe(self.run_id, train_results(phases))
         aggregated = complete and bool(phases)
         if aggregated:
             self._aggregate(ctx, phases, event)
         self._evaluate_if_due(round_number, event)
+        event.epsilon_spent = recorded()  # the ledger has the round before anyone hears of it
         self._report_round(round_number, event, started)
         self._log_round(event, aggregated)
         self._check_failed_rounds(round_number, event)
@@ -432,13 +436,23 @@ class RoundEngine:
         selected, population = self._replayed(round_number, selected, len(candidates))
         return selected, population, quorum, selection_seconds
 
-    def _authorize(self, round_number: int, selected: list[int], population: int) -> float:
-        """Record the round's privacy events before any task leaves (a refusal stops the run); the ε spent so far."""
+    def _authorize(self, round_number: int, selected: list[int], population: int) -> Callable[[], float]:
+        """Record the round in the privacy ledger; returns a call that waits for the record and gives the ε spent so
+        far (raising what the ledger raised). A private round is authorised before any task leaves (a refusal stops
+        the run with nothing released). A non-private round spends nothing and cannot be refused for its spend, so its
+        audit record is written by a worker thread while the round trains, off the round's critical path (a
+        synchronous RPC with a durable write each round); the round is reported only once it is recorded."""
         # Write-ahead: the planned round is on disk before the ledger records it, so a crash in between re-runs this
         # same selection (a replay to the ledger) rather than asking it to authorise a different one.
         if self.checkpointer is not None:
             self.checkpointer.planned(round_number, selected, population)
-        return self.privacy.authorize_round(self.run_id, round_number, self.config, selected, population)
+        args = (self.run_id, round_number, self.config, selected, population)
+        if self.config.privacy.enabled:
+            epsilon = self.privacy.authorize_round(*args)
+            return lambda: epsilon
+        if self._ledger_writer is None:
+            self._ledger_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ledger-{self.run_id[:8]}")
+        return self._ledger_writer.submit(self.privacy.authorize_round, *args).result
 
     def _round_context(self, round_number: int, selected: list[int]) -> RoundContext:
         cfg = self.config

@@ -169,7 +169,8 @@ def _privacy_refusal(err: grpc.RpcError, call: str) -> Exception:
 class RemotePrivacy:
     """The privacy service's ledger. Non-private runs are registered too, so every round leaves an audit record.
 
-    A round's events are recorded before its tasks are dispatched; RESOURCE_EXHAUSTED stops the run cleanly. Calls
+    A private round's events are recorded before its tasks are dispatched, a non-private round's (no events) while it
+    trains and before it is reported (RoundEngine._authorize); RESOURCE_EXHAUSTED stops the run cleanly. Calls
     that fail because the service is down or restarting are retried (they are idempotent) for PRIVACY_RETRY_S.
     """
 
