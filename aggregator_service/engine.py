@@ -16,7 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -162,6 +162,17 @@ def _folding(folds: list[ResultFold]) -> ResultSink:
             result.payloads.pop(kind, None)
 
     return sink
+
+
+def _log_failed_record(run_id: str, round_number: int) -> Callable[[Future[float]], None]:
+    """A non-private round's ledger record that failed is logged where it fails: the round may already have ended
+    another way (stopped, failed in its exchange), and then nothing else would read the error."""
+
+    def check(record: Future[float]) -> None:
+        if not record.cancelled() and (err := record.exception()) is not None:
+            log.warning("run %s: the privacy ledger did not record round %d: %s", run_id, round_number, err)
+
+    return check
 
 
 class RunStopped(Exception):
@@ -384,12 +395,14 @@ class RoundEngine:
         ctx = self._round_context(round_number, selected)
         event = control_pb2.RoundEvent(round=round_number, selected=selected, selection_seconds=selection_seconds)
         phases, complete = self._exchange(ctx, model_ref, quorum, event)
+        # The ledger has the round before anything learns from it: a refused record fails the run with the selector's,
+        # strategy's and model's state as the last reported round left them (a resumed run replays this round).
+        event.epsilon_spent = recorded()
         self.selection.observe(self.run_id, train_results(phases))
         aggregated = complete and bool(phases)
         if aggregated:
             self._aggregate(ctx, phases, event)
         self._evaluate_if_due(round_number, event)
-        event.epsilon_spent = recorded()  # the ledger has the round before anyone hears of it
         self._report_round(round_number, event, started)
         self._log_round(event, aggregated)
         self._check_failed_rounds(round_number, event)
@@ -452,7 +465,9 @@ class RoundEngine:
             return lambda: epsilon
         if self._ledger_writer is None:
             self._ledger_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ledger-{self.run_id[:8]}")
-        return self._ledger_writer.submit(self.privacy.authorize_round, *args).result
+        record = self._ledger_writer.submit(self.privacy.authorize_round, *args)
+        record.add_done_callback(_log_failed_record(self.run_id, round_number))
+        return record.result
 
     def _round_context(self, round_number: int, selected: list[int]) -> RoundContext:
         cfg = self.config

@@ -41,6 +41,7 @@ from typing import Any
 
 import benchlib  # first: puts the repository on sys.path and pins OMP threads before torch loads
 import torch
+from bench_round import SAME_WORK_POINTS, check_plain_loop_applies
 
 DEFAULT_CONFIG = benchlib.REPO / "experiments" / "quickstart.yaml"
 SAMPLE_MS = 100
@@ -166,6 +167,19 @@ def plain_variant(config: Any, selections: list[list[int]], device: torch.device
     }
 
 
+def same_work_warnings(details: dict[str, Any]) -> list[str]:
+    """A warning for each gRPC run whose final accuracy the plain loop replaying it does not reproduce."""
+    warnings = []
+    for name in ("preset", "packed"):
+        run, plain = details[name]["final_mean_accuracy"], details[f"plain_{name}"]["final_mean_accuracy"]
+        if run is None or plain is None or abs(run - plain) > SAME_WORK_POINTS:
+            warnings.append(
+                f"WARNING: the {name} run ended at {run}% and the plain loop replaying it at {plain}%, more than "
+                f"{SAME_WORK_POINTS} points apart: the loop may not be doing the same work."
+            )
+    return warnings
+
+
 def trainer_variant(config: Any, clients: int, device: torch.device) -> dict[str, Any]:
     """Every client's TRAIN task of round 1, back to back on one ClientRuntime (what an agent does in a round)."""
     from aggregator_service.engine import initial_model
@@ -236,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds or args.quick:
         overrides["rounds"] = args.rounds or 20
     config = benchlib.load_config(args.config, overrides)
+    check_plain_loop_applies(config)  # before any run: the loop must do the same work to be compared with
     packed = benchlib.with_overrides(
         config,
         {
@@ -327,8 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
     ]
     notes = [
+        *same_work_warnings(details),
         "Utilisation is the share of each ~100 ms sample in which a kernel ran, not how much of the GPU it used: the "
-        "preset's MLP (784-200-200-10, batch 50) is far too small to fill a data-centre GPU."
+        "preset's MLP (784-200-200-10, batch 50) is far too small to fill a data-centre GPU.",
+        "The plain loop replays the gRPC runs' selections in one process: the same clients, batches and evaluations, "
+        "one client after another, as one agent trains them. Two agent processes sharing the GPU overlap their "
+        "kernel launches; one agent with 50 clients a round compares with the plain loop like for like.",
     ]
     result = benchlib.write_result(args.json, "gpu", figures, started, quick=args.quick, notes=notes, details=details)
     print(json.dumps(result, allow_nan=False, default=str))

@@ -25,6 +25,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ DEFAULT_OUTPUT = REPO / "docs" / "benchmarks.md"
 QUICK_OUTPUT = REPO / "runs" / "bench" / "benchmarks-quick.md"
 LOG_DIR = REPO / "runs" / "bench"
 TIMEOUT_S = float(os.environ.get("BENCH_TIMEOUT", "1800"))
+MACHINE_KEYS = ("cpu", "cores", "gpu", "os")  # what makes two sections' machines the same one
 
 
 @dataclass(frozen=True)
@@ -404,6 +406,19 @@ def _commits_row(records: dict[str, dict[str, Any]]) -> str:
     return f"| commit | {commits[0] if commits else 'unknown'} |"
 
 
+def _main_machine(records: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The machine most sections ran on (the table's; a section measured elsewhere, --add, says so itself)."""
+    machines = [m for m in map(_machine_of, records.values()) if m]
+    if not machines:
+        return None
+    counts = Counter(_machine_key(m) for m in machines)
+    return max(machines, key=lambda m: counts[_machine_key(m)])  # the first of the most common on ties
+
+
+def _machine_key(machine: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(machine.get(k) for k in MACHINE_KEYS)
+
+
 def _other_machine(machine: dict[str, Any]) -> str:
     """The line for a section measured elsewhere than the machine table's (a GPU machine, say)."""
     return (
@@ -434,7 +449,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
         "#9, #20 and #21's acceptance criteria (#21's rows are marked).",
         "",
     ]
-    machine = next(filter(None, map(_machine_of, records.values())), None)
+    machine = _main_machine(records)
     if machine:
         lines += ["## Machine", "", "| | |", "|---|---|"]
         lines += [
@@ -482,7 +497,7 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
                 f"Finished {run_machine.get('date', '?')}{at}; load average then {load} (its own processes too).",
                 "",
             ]
-            if machine and any(run_machine.get(k) != machine.get(k) for k in ("cpu", "cores", "gpu", "os")):
+            if machine and _machine_key(run_machine) != _machine_key(machine):
                 lines += [_other_machine(run_machine), ""]
         if status not in ("ok",):
             reason = record.get("reason", "")
@@ -533,23 +548,27 @@ def _strip_json(command: str) -> str:
 
 def _added_record(parser: argparse.ArgumentParser, spec: str) -> tuple[str, dict[str, Any]]:
     """`NAME=PATH` of --add: the record of a benchmark run elsewhere, from the JSON its script wrote there."""
-    name, sep, path = spec.partition("=")
+    name, sep, path = (part.strip() for part in spec.partition("="))
     if not sep or not name or not path:
         parser.error(f"--add {spec!r}: expected NAME=PATH, e.g. gpu=runs/gpu.json")
+    if name not in BY_NAME:
+        parser.error(f"--add {spec!r}: unknown benchmark {name!r}; known: {', '.join(BY_NAME)}")
     try:
         result = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         parser.error(f"--add {spec!r}: cannot read the benchmark's JSON: {err}")
-    if not isinstance(result, dict) or not ("figures" in result or "skipped" in result):
+    if isinstance(result, dict) and "skipped" in result:  # it would replace the figures kept here with nothing
+        parser.error(f"--add {spec!r}: the benchmark was skipped where it ran ({result['skipped']}): nothing to add")
+    if not isinstance(result, dict) or not isinstance(result.get("figures"), list):
         parser.error(f"--add {spec!r}: {path} is not a benchmark script's --json output (no figures)")
-    record: dict[str, Any] = {"command": _strip_json(str(result.get("command", ""))), "result": result}
+    script = BY_NAME[name].script
+    if script not in str(result.get("command", "")):
+        command = result.get("command")
+        parser.error(f"--add {spec!r}: {path} was not written by scripts/{script} (its command: {command!r})")
+    record: dict[str, Any] = {"command": _strip_json(str(result["command"])), "result": result, "status": "ok"}
     if isinstance(result.get("elapsed_s"), int | float):
         record["seconds"] = result["elapsed_s"]
-    if "skipped" in result:
-        record.update(status="skipped", reason=str(result["skipped"]))
-    else:
-        record["status"] = "ok"
-    return name.strip(), record
+    return name, record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -570,8 +589,13 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or (QUICK_OUTPUT if args.quick else DEFAULT_OUTPUT)
     json_path = output.with_suffix(".json")
     only = [n.strip() for n in args.only.split(",") if n.strip()]
-    added = dict(_added_record(parser, spec) for spec in args.add)
-    unknown = [n for n in [*only, *added] if n not in BY_NAME]
+    added_records = [_added_record(parser, spec) for spec in args.add]
+    added = dict(added_records)
+    names = Counter(n for n, _ in added_records)
+    twice = sorted({n for n, count in names.items() if count > 1} | (set(only) & set(added)))
+    if twice:
+        parser.error(f"benchmark(s) {', '.join(twice)} named twice (in --add twice, or in --only and --add)")
+    unknown = [n for n in only if n not in BY_NAME]
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
     records: dict[str, dict[str, Any]] = {}

@@ -93,13 +93,14 @@ class PlainLoop:
     cpu: list[float] = field(default_factory=list)  # process CPU seconds at the end of each round
     loss_pass_seconds: list[float] = field(default_factory=list)  # per round: the trainer's two loss passes
     loss_pass_cpu: list[float] = field(default_factory=list)  # their process CPU seconds, per round
-    task_seconds: list[float] = field(default_factory=list)  # per round: the clients' local steps, summed (no passes)
+    # per round: the clients' local steps, summed (no passes); on a GPU the time to queue them (only `arrivals` wait)
+    task_seconds: list[float] = field(default_factory=list)
     eval_round_seconds: list[float] = field(default_factory=list)  # per round: the evaluation (0 when none)
     eval_seconds: float = 0.0
     final_accuracy: float = math.nan  # mean over clients of the last evaluation, %
 
 
-def _check_plain_loop_applies(config: Any) -> None:
+def check_plain_loop_applies(config: Any) -> None:
     """The loop implements FedAvg with plain SGD; anything else would not be the same work."""
     problems = []
     if config.strategy.name != "fedavg" or config.strategy.params.get("server_momentum", 0):
@@ -457,7 +458,7 @@ def bench_preset(
     """Measure one experiment: (figures against the ideal parallel floor, the single-process comparison's figures,
     notes, details)."""
     config = benchlib.load_config(preset.config, {"rounds": rounds})
-    _check_plain_loop_applies(config)
+    check_plain_loop_applies(config)
     if config.rounds < 3:
         raise SystemExit("bench_round: needs at least 3 rounds (round 1 is setup and left out)")
     torch.set_num_threads(1)

@@ -282,7 +282,8 @@ def test_a_benchmark_measured_on_another_machine_is_added_and_says_where(
 ) -> None:
     out = tmp_path / "docs" / "benchmarks.md"
     out.parent.mkdir()
-    out.with_suffix(".json").write_text(json.dumps({"round": {"status": "ok", "result": result([])}}))
+    local = {"status": "ok", "result": result([])}
+    out.with_suffix(".json").write_text(json.dumps({"round": local, "wire": local}))
     gpu_machine = {**MACHINE, "cpu": "Xeon", "cores": 16, "usable_cores": 16, "gpu": "NVIDIA H200", "commit": "9d0"}
     measured = {
         **result([benchlib.figure("GPU: seconds per round", 0.0814, "s", key="gpu_seconds_per_round")]),
@@ -298,17 +299,26 @@ def test_a_benchmark_measured_on_another_machine_is_added_and_says_where(
     monkeypatch.setattr(bench_report, "run_benchmark", must_not_run)
     assert bench_report.main(["--add", f"gpu={tmp_path / 'gpu.json'}", "--output", str(out)]) == 0
     md = out.read_text()
-    assert set(json.loads(out.with_suffix(".json").read_text())) == {"round", "gpu"}  # the earlier section kept
+    assert set(json.loads(out.with_suffix(".json").read_text())) == {"round", "wire", "gpu"}  # earlier ones kept
     assert "Command: `python scripts/bench_gpu.py` (131 s)" in md  # the harness's --json path left out
     assert "| GPU: seconds per round | 81.4 ms |  |  |" in md
     assert "Measured on another machine: NVIDIA H200, Xeon (16 usable cores)" in md
-    assert md.count("Measured on another machine") == 1  # the round section ran on the table's machine
+    assert md.count("Measured on another machine") == 1  # the other sections ran on the table's machine
+    assert "| CPU | AMD EPYC, 2 cores (2 usable) |" in md  # the table: the machine most sections ran on
+    before = out.read_text()
     (tmp_path / "bad.json").write_text("{}")
-    for spec in (
-        "gpu",
-        f"gpu={tmp_path / 'missing.json'}",
-        f"gpu={tmp_path / 'bad.json'}",
-        f"nonsense={tmp_path / 'gpu.json'}",
+    (tmp_path / "skipped.json").write_text(json.dumps({"skipped": "no CUDA device"}))  # would erase the figures
+    gpu = f"gpu={tmp_path / 'gpu.json'}"
+    for args in (
+        ["--add", "gpu"],
+        ["--add", f"gpu={tmp_path / 'missing.json'}"],
+        ["--add", f"gpu={tmp_path / 'bad.json'}"],
+        ["--add", f"gpu={tmp_path / 'skipped.json'}"],
+        ["--add", f"nonsense={tmp_path / 'gpu.json'}"],
+        ["--add", f"round={tmp_path / 'gpu.json'}"],  # bench_gpu.py's figures are not the round section's
+        ["--add", gpu, "--add", gpu],
+        ["--only", "gpu", "--add", gpu],
     ):
         with pytest.raises(SystemExit):
-            bench_report.main(["--add", spec, "--output", str(out)])
+            bench_report.main([*args, "--output", str(out)])
+    assert out.read_text() == before  # a refused call writes nothing

@@ -64,14 +64,14 @@ def test_the_floor_holds_the_loss_passes_exactly_when_the_clients_run_them() -> 
 
 def test_plain_loop_refuses_experiments_it_cannot_replay() -> None:
     config = experiment_from_dict(SMALL)
-    bench_round._check_plain_loop_applies(config)  # FedAvg with SGD and uniform selection: fine
+    bench_round.check_plain_loop_applies(config)  # FedAvg with SGD and uniform selection: fine
     for overrides, word in (
         ({"strategy.name": "fedprox"}, "strategy"),
         ({"training.optimizer": "adam"}, "optimizer"),
         ({"selection.method": "power_of_choice"}, "selection.method"),
     ):
         with pytest.raises(SystemExit, match=word):
-            bench_round._check_plain_loop_applies(with_overrides(config, overrides))
+            bench_round.check_plain_loop_applies(with_overrides(config, overrides))
 
 
 def timed_loop(passes: list[float], tasks: list[float], evals: list[float], cpu: list[float]) -> bench_round.PlainLoop:
@@ -116,7 +116,7 @@ def test_presets_both_and_the_all_participating_workload() -> None:
     config = with_overrides(
         bench_round.benchlib.load_config(bench_round.ALL_PARTICIPATING_CONFIG), {"rounds": bench_round.DEFAULT_ROUNDS}
     )
-    bench_round._check_plain_loop_applies(config)
+    bench_round.check_plain_loop_applies(config)
     assert (config.data.dataset, config.data.num_clients, config.data.partition) == ("fashion_mnist", 10, "shards")
     assert config.data.shards_per_client == 2 and config.selection.clients_per_round == 10
     assert config.model.params["hidden"] == [200, 200]

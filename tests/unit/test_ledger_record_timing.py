@@ -1,10 +1,12 @@
 """When the round engine records a round in the privacy ledger: a private round before any of its tasks leaves; a
-non-private round (it spends nothing) while its clients train, yet always before the round is reported; a refused
-record fails the run with the round unreported and the model of the last reported round kept."""
+non-private round (it spends nothing) while its clients train, yet always before the round's results are used; a
+refused record fails the run with the round unreported and the model and strategy state of the last reported round
+kept."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from fairfl.v1 import control_pb2
 from tests.unit.test_dp_engine import dp_config
 
 OVERLAP_WAIT_S = 5.0  # how long a held record waits for the round's tasks (a synchronous record would wait it all)
+LATE_S = 0.3  # then it takes this long: longer than the round's training, so a round that did not wait is seen
 
 
 class Timeline:
@@ -51,7 +54,8 @@ class RecordingTransport(InProcessTransport):
 
 class HeldLedger(LocalPrivacy):
     """The in-process ledger, whose record of a round waits (up to OVERLAP_WAIT_S) until the round's tasks have been
-    dispatched, then notes whether they had; `refuse` rounds are refused as the privacy service would refuse them."""
+    dispatched, takes LATE_S more, then notes whether they had been; `refuse` rounds are refused as the privacy
+    service would refuse them."""
 
     def __init__(self, timeline: Timeline, hold: bool, refuse: frozenset[int] = frozenset()) -> None:
         super().__init__()
@@ -66,6 +70,7 @@ class HeldLedger(LocalPrivacy):
         self.threads.add(threading.current_thread().name)
         if self.hold:
             overlapped = self.timeline.dispatch_of(round_number).wait(OVERLAP_WAIT_S)
+            time.sleep(LATE_S)
             self.timeline.add(f"record {round_number} {'while training' if overlapped else 'alone'}")
         else:
             self.timeline.add(f"record {round_number}")
@@ -81,21 +86,31 @@ def run(config: ExperimentConfig, ledger: HeldLedger, timeline: Timeline) -> tup
 
     transport = RecordingTransport(timeline)
     engine = RoundEngine("run", config, transport, LocalSelector(config.selection.method), ledger, on_event)
+    aggregate = engine.strategy.aggregate
+
+    def noted_aggregate(ctx: Any, phases: Any) -> Any:
+        timeline.add(f"aggregate {ctx.round}")
+        return aggregate(ctx, phases)
+
+    engine.strategy.aggregate = noted_aggregate  # type: ignore[method-assign]
     return engine.run(), engine
 
 
 def non_private(rounds: int = 3) -> ExperimentConfig:
-    return experiment_from_dict({**dp_config(rounds=rounds), "strategy": {"name": "fedavg"}, "privacy": {}})
+    """FedAvg with server momentum: a strategy whose state every aggregation changes."""
+    strategy = {"name": "fedavg", "params": {"server_momentum": 0.9}}
+    return experiment_from_dict({**dp_config(rounds=rounds), "strategy": strategy, "privacy": {}})
 
 
-def test_a_non_private_round_is_recorded_while_it_trains_and_before_it_is_reported() -> None:
+def test_a_non_private_round_is_recorded_while_it_trains_and_before_its_results_are_used() -> None:
     timeline = Timeline()
     ledger = HeldLedger(timeline, hold=True)
     summary, _ = run(non_private(), ledger, timeline)
     assert summary.state == control_pb2.RUN_STATE_COMPLETED
     for r in (1, 2, 3):
         assert f"record {r} while training" in timeline.entries  # not before dispatch: off the critical path
-        assert timeline.entries.index(f"record {r} while training") < timeline.entries.index(f"report {r}")
+        # ...but before the round's results are aggregated (it arrived LATE_S after dispatch: the engine waited).
+        assert timeline.entries.index(f"record {r} while training") < timeline.entries.index(f"aggregate {r}")
     assert threading.current_thread().name not in ledger.threads  # written by the engine's ledger worker
     assert [e.round for e in ledger.ledger.events("run")] == []  # nothing spent...
     assert ledger.ledger.rounds_recorded("run") == 3  # ...and every round on the audit record
@@ -112,12 +127,19 @@ def test_a_private_round_is_authorised_before_any_task_leaves() -> None:
 
 def test_a_refused_non_private_record_fails_the_run_with_its_round_unreported() -> None:
     timeline = Timeline()
-    config = non_private()
-    reference, _ = run(non_private(rounds=1), HeldLedger(Timeline(), hold=False), Timeline())
-    summary, _ = run(config, HeldLedger(timeline, hold=False, refuse=frozenset({2})), timeline)
+    reference, after_one = run(non_private(rounds=1), HeldLedger(Timeline(), hold=False), Timeline())
+    summary, engine = run(non_private(), HeldLedger(timeline, hold=False, refuse=frozenset({2})), timeline)
     assert summary.state == control_pb2.RUN_STATE_FAILED
     assert "refused round 2" in summary.message
     assert summary.rounds_completed == 1
     assert "report 1" in timeline.entries and "report 2" not in timeline.entries
-    # The run keeps round 1's model, not the one round 2 trained before its record was refused.
+    assert "aggregate 2" not in timeline.entries  # round 2's results were never used...
+    # ...so the run keeps round 1's model and the strategy's momentum as round 1 left it.
     assert torch.equal(summary.final_params, reference.final_params)
+    assert torch.equal(_velocity(engine), _velocity(after_one))
+
+
+def _velocity(engine: RoundEngine) -> torch.Tensor:
+    strategy = getattr(engine.strategy, "inner", engine.strategy)
+    assert strategy.velocity is not None
+    return strategy.velocity
