@@ -4,6 +4,8 @@ and how it runs scripts (missing, failing, --quick)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -322,3 +324,19 @@ def test_a_benchmark_measured_on_another_machine_is_added_and_says_where(
         with pytest.raises(SystemExit):
             bench_report.main([*args, "--output", str(out)])
     assert out.read_text() == before  # a refused call writes nothing
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+def test_make_bench_passes_its_variables_to_the_report() -> None:
+    """`make bench BENCH_ONLY=... BENCH_ADD=...` (the README's commands) reach bench_report as --only and --add."""
+    repo = Path(bench_report.__file__).resolve().parents[1]
+    shown = subprocess.run(
+        ["make", "-n", "bench", "BENCH_ONLY=wire", "BENCH_ADD=gpu=gpu.json"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    command = shown.replace("\\\n", " ")
+    assert "scripts/bench_report.py" in command
+    assert "--only wire" in command and "--add gpu=gpu.json" in command
