@@ -454,7 +454,7 @@ class RoundEngine:
         far (raising what the ledger raised). A private round is authorised before any task leaves (a refusal stops
         the run with nothing released). A non-private round spends nothing and cannot be refused for its spend, so its
         audit record is written by a worker thread while the round trains, off the round's critical path (a
-        synchronous RPC with a durable write each round); the round is reported only once it is recorded."""
+        synchronous RPC with a durable write each round); nothing learns from the round before it is recorded."""
         # Write-ahead: the planned round is on disk before the ledger records it, so a crash in between re-runs this
         # same selection (a replay to the ledger) rather than asking it to authorise a different one.
         if self.checkpointer is not None:
