@@ -62,6 +62,14 @@ BENCHMARKS = [
         "and gRPC against the in-process transport.",
     ),
     Benchmark(
+        "grpc_cost",
+        "bench_grpc_cost.py",
+        "1b. Where a gRPC round's CPU goes",
+        "CPU per round of every process over gRPC on the all-participating preset with 2 and 10 clients a round, at "
+        "the preset's model and a tiny one; the aggregator's CPU split, by an exact fit of the four runs, into a cost "
+        "per round, per MB of model per round, per client task and per MB of update received.",
+    ),
+    Benchmark(
         "wire",
         "bench_wire.py",
         "2. Bytes on the wire",
