@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             "aggregator: fixed CPU per round",
             1000 * split["fixed"],
             "ms",
-            note="publishing the model, selection, the ledger record, the checkpoint, the round event",
+            note="what does not grow with the model or the tasks: selection, the ledger record, the checkpoint's "
+            "syncs, the round event",
             key="aggregator_fixed_ms",
         ),
         benchlib.figure(
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     notes = [
         f"Model (and update) sizes: {update_mb['big']:.3f} MB (the preset's MLP) and {update_mb['tiny']:.4f} MB "
-        f"(hidden {TINY_HIDDEN}). The split is an exact fit of four runs, so run-to-run noise (±10% here) goes into it "
-        "whole.",
+        f"(hidden {TINY_HIDDEN}). The split is an exact fit of four runs, so run-to-run noise (about ±5% between runs "
+        "here) goes into it whole.",
     ]
     details = {
         "rounds": rounds,
