@@ -41,7 +41,7 @@ from typing import Any
 
 import benchlib  # first: puts the repository on sys.path and pins OMP threads before torch loads
 import torch
-from bench_round import SAME_WORK_POINTS, check_plain_loop_applies
+from bench_round import SAME_WORK_POINTS, LoopTiming, check_plain_loop_applies, loss_passes_run, plain_loop
 
 DEFAULT_CONFIG = benchlib.REPO / "experiments" / "quickstart.yaml"
 SAMPLE_MS = 100
@@ -151,8 +151,6 @@ def grpc_variant(config: Any, workdir: Path) -> tuple[dict[str, Any], list[list[
 def plain_variant(config: Any, selections: list[list[int]], device: torch.device) -> dict[str, Any]:
     """The preset's rounds in scripts/bench_round.py's plain PyTorch loop on `device`, replaying the gRPC run's
     selections: the same clients, batches and evaluations in one process, with no services, agents or wire."""
-    from bench_round import LoopTiming, loss_passes_run, plain_loop
-
     passes_run = loss_passes_run(config)
     with UtilisationSampler() as sampler:
         plain = plain_loop(config, selections, loss_passes=passes_run, device=device)

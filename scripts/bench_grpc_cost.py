@@ -30,6 +30,8 @@ from typing import Any
 
 import benchlib  # first: puts the repository on sys.path and pins OMP threads before torch loads
 
+from aggregator_service.engine import initial_model
+
 CONFIG = benchlib.REPO / "experiments" / "bench_all_participating.yaml"
 TINY_HIDDEN = [8]
 ROUNDS = {"tiny": 300, "big": 100}  # tiny rounds take ~40 ms: more of them for the same CPU-clock resolution
@@ -75,8 +77,6 @@ def measure(variant: Variant, rounds: int, workdir: Path) -> tuple[dict[str, flo
     trace = benchlib.run_grpc_traced(config, workdir)
     if not trace.completed:
         raise SystemExit(f"bench_grpc_cost: the {variant.name} run ended {trace.state}: {trace.message}")
-    from aggregator_service.engine import initial_model
-
     layout, _ = initial_model(config)
     return trace.round_cpu(), trace.round_wall()[0], layout.numel * 4 / 1e6
 

@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=PATH",
         help="take benchmark NAME's figures from the JSON its script wrote with --json PATH on another machine (one "
-        "with a GPU, say) instead of running it here; implies --only for the rest",
+        "with a GPU, say) instead of running it here; nothing else runs unless --only names it",
     )
     parser.add_argument("--output", type=Path, default=None, help="markdown path (the JSON goes beside it)")
     args = parser.parse_args(argv)
