@@ -70,6 +70,16 @@ BENCHMARKS = [
         "per round, per MB of model per round, per client task and per MB of update received.",
     ),
     Benchmark(
+        "transport_floor",
+        "bench_transport_floor.py",
+        "1c. The transport's own floor",
+        "The CPU that only moving the all-participating preset's bytes costs (each of 2 agent processes fetching the "
+        "0.8 MB model and sending 5 updates of 0.8 MB a round), on bare transports with no FairFL code in the path: "
+        "gRPC with and without mutual TLS, gRPC carrying one partial sum per agent, and a TLS socket receiving into a "
+        "preallocated buffer; against #21's budget for everything but training (0.15x the one-thread plain loop's "
+        "CPU) and against the cipher alone.",
+    ),
+    Benchmark(
         "wire",
         "bench_wire.py",
         "2. Bytes on the wire",
@@ -487,6 +497,12 @@ def render(records: dict[str, dict[str, Any]], quick: bool, generated: str) -> s
             f"| {_cell(criterion)} | {fmt_value(figure.get('value'), figure.get('unit', ''))} | "
             f"{fmt_target(figure)} | {verdict(figure)} |"
         )
+    if "transport_floor" in records:
+        lines += [
+            "",
+            "#21's gRPC rows against what the transport alone costs: section 1c measures the CPU that only moving a "
+            "round's bytes takes over gRPC with mutual TLS, with no FairFL code in the path, against the same budget.",
+        ]
     lines.append("")
     for bench in BENCHMARKS:
         record = records.get(bench.name, {"status": "not run", "reason": f"scripts/{bench.script} was not run"})
