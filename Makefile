@@ -17,7 +17,8 @@ help:
 	@echo "make test         run the test suite (unit + integration)"
 	@echo "make bench        run scripts/bench_*.py, write docs/benchmarks.md (BENCH_QUICK=1: smoke pass to runs/bench/)"
 	@echo "make results      re-run every committed result into docs/results (hours; RESULTS_ONLY=name,... for some,"
-	@echo "                  RESULTS_SINCE=COMMIT to re-run what ran before that commit)"
+	@echo "                  RESULTS_SINCE=COMMIT to re-run what ran before that commit; RESULTS_VERIFY=1: re-run one"
+	@echo "                  committed run of each comparison and check its final model is bit-identical)"
 	@echo "make lint         ruff check, format check and the import-linter layer contracts (pyproject.toml)"
 	@echo "make protos       regenerate the gRPC stubs from protos/"
 	@echo "make setup        create $(VENV) and install dependencies and the dataset"
@@ -81,7 +82,8 @@ bench: setup
 # Every committed comparison re-run from this commit into docs/results, resuming what an earlier call finished; then
 # docs/results/claims.md indexes every claim held or not (scripts/results.py). Long: not part of `make test`.
 results: setup
-	$(PY) scripts/results.py $(if $(RESULTS_ONLY),--only $(RESULTS_ONLY)) $(if $(RESULTS_SINCE),--since $(RESULTS_SINCE))
+	$(PY) scripts/results.py $(if $(RESULTS_ONLY),--only $(RESULTS_ONLY)) $(if $(RESULTS_SINCE),--since $(RESULTS_SINCE)) \
+		$(if $(RESULTS_VERIFY),--verify)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

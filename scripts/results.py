@@ -4,6 +4,7 @@
     python scripts/results.py --only hicsfl-fmnist-setting2,fedfdp-fmnist-small
     python scripts/results.py --list                   # what would run, and how many runs each has
     python scripts/results.py --index                  # only rewrite docs/results/claims.md from the folders
+    python scripts/results.py --verify                 # does this checkout still make the committed results?
 
 Each entry of the manifest is a comparison (`fairfl compare FILE --output docs/results/NAME --resume`) or a single
 run (`fairfl run FILE --output docs/results/NAME`, with provenance.json beside its results). Comparisons resume: a
@@ -11,6 +12,12 @@ run (`fairfl run FILE --output docs/results/NAME`, with provenance.json beside i
 spread over several invocations, and the report lists which commit ran which runs. Folders of runs no longer in a
 comparison file are removed. The code must be committed (results record the commit that ran them): a checkout with
 uncommitted changes outside docs/ and runs/ is refused unless --allow-dirty, and then the results say "+dirty".
+
+`--verify` re-runs one committed run of each comparison (its first run's first seed) from this checkout into
+runs/verify/ and compares its final model's sha256 with the committed one: "reproduced" means the committed numbers are
+what this code makes, bit for bit. Runs made on a GPU, and runs whose comparison file now makes another experiment, are
+skipped with the reason; a single-run entry is re-run whole by `make results`, not verified. Exits 1 when a run
+differs or fails.
 
 Ctrl-C stops the running comparison the way `fairfl compare` does (finished runs are kept) and exits 130.
 """
@@ -176,6 +183,84 @@ def run_entry(entry: Entry, since: str | None = None) -> int:
     return _call(argv)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What `--verify` found for one entry."""
+
+    entry: str
+    pair: str  # "label seed N", or "" when nothing was re-run
+    outcome: str  # "reproduced", "differs", "failed", "skipped", "interrupted"
+    detail: str
+
+
+def verify(entry: Entry, scratch: Path) -> Verdict:
+    """Re-run one committed run of a comparison entry (its first run's first seed) into `scratch` and compare the
+    final model's sha256 with the committed run's."""
+    if not entry.compare:
+        return Verdict(entry.name, "", "skipped", f"a single run: `make results RESULTS_ONLY={entry.name}` re-runs it")
+    spec = load_comparison(entry.compare)
+    run, seed = spec.runs[0], spec.runs[0].seeds[0]
+    pair, committed_dir = f"{run.label} seed {seed}", entry.output / run.slug / f"seed{seed}"
+    try:
+        committed = str(json.loads((committed_dir / "results.json").read_text())["final_model_sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return Verdict(
+            entry.name, pair, "skipped", f"no committed run with its final model's sha256 in {committed_dir}"
+        )
+    gpus = sorted({str(p["machine"]["cuda"]) for p in _segments(committed_dir) if _cuda(p)})
+    if gpus:
+        return Verdict(entry.name, pair, "skipped", f"ran on {', '.join(gpus)}: GPU kernels give other bits elsewhere")
+    try:  # loaded, so the comparison is by value, in today's schema (its defaults filled in)
+        committed_yaml = load_experiment(str(committed_dir / "experiment.yaml"), {}).to_yaml()
+    except ConfigError as err:
+        return Verdict(entry.name, pair, "skipped", f"its experiment.yaml no longer loads: {err}")
+    if spec.experiment(run, seed).to_yaml() != committed_yaml:
+        return Verdict(
+            entry.name, pair, "skipped", f"{entry.compare} now makes another experiment than the committed run's"
+        )
+    out = (scratch / entry.name / run.slug / f"seed{seed}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "experiment.yaml").write_text(committed_yaml)
+    transport = entry.transport or spec.transport
+    argv = [sys.executable, "-m", "fairfl.compose", "run", str(out / "experiment.yaml"), "--transport", transport]
+    argv += ["--output", str(out)]
+    if transport == "inprocess":
+        argv += ["--set", f"runtime.checkpoint_dir={json.dumps(str(out / 'checkpoint'))}"]
+    print(f"\n=== {entry.name}: {pair} again, into {out}", flush=True)
+    with (out / "run.log").open("w") as log:
+        code = _call(argv, stdout=log, stderr=subprocess.STDOUT)
+    if code in STOPPED_BY_SIGNAL:
+        return Verdict(entry.name, pair, "interrupted", f"stopped; its log: {out / 'run.log'}")
+    try:
+        now = str(json.loads((out / "results.json").read_text())["final_model_sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return Verdict(entry.name, pair, "failed", f"exit status {code}; its log: {out / 'run.log'}")
+    if now == committed:
+        return Verdict(entry.name, pair, "reproduced", f"final model sha256 {now[:16]}… as committed")
+    return Verdict(entry.name, pair, "differs", f"final model sha256 {now[:16]}…, committed {committed[:16]}…")
+
+
+def _segments(run_dir: Path) -> list[dict[str, Any]]:
+    """Where a run ran: its provenance.json and each resumed segment's (none for runs older than provenance.json,
+    which have only revision.txt: those ran on this project's CPU machine)."""
+    try:
+        provenance = json.loads((run_dir / "provenance.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [provenance, *provenance.get("resumed", [])] if isinstance(provenance, dict) else []
+
+
+def _cuda(provenance: dict[str, Any]) -> bool:
+    machine = provenance.get("machine")
+    return isinstance(machine, dict) and bool(machine.get("cuda"))
+
+
+def render_verdicts(verdicts: list[Verdict], revision: str) -> str:
+    lines = [f"verified at {revision}:", "", "| result | run | outcome | detail |", "|---|---|---|---|"]
+    lines += [f"| {v.entry} | {v.pair or '—'} | {v.outcome} | {v.detail} |" for v in verdicts]
+    return "\n".join(lines) + "\n"
+
+
 def _call(argv: list[str], **kwargs: Any) -> int:
     """Run a fairfl command in its own session and pass each SIGINT/SIGTERM on to it once, so fairfl stops the way it
     does at a terminal (a first signal ends the run in order, a second forces) and this script waits for it."""
@@ -227,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", action="store_true", help="only rewrite docs/results/claims.md")
     parser.add_argument("--allow-dirty", action="store_true", help="run from a checkout with uncommitted changes")
     parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-run one committed run of each comparison into runs/verify/ and compare final models' sha256 (exit 1 "
+        "when one differs)",
+    )
+    parser.add_argument(
         "--since",
         metavar="COMMIT",
         help="reuse only results that ran at COMMIT or a later commit (every other run runs again); default: reuse "
@@ -255,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             size = sum(len(r.seeds) for r in load_comparison(e.compare).runs) if e.compare else 1
             print(f"{e.name}: {size} run(s): {shlex.join(e.command())}")
         return 0
+    if args.verify:
+        return run_verification(chosen)
     worst = 0
     if not args.index:
         revision = source_revision()
@@ -282,6 +375,24 @@ def main(argv: list[str] | None = None) -> int:
     INDEX.write_text(render_index(entries))
     print(f"wrote {INDEX}")
     return worst
+
+
+def run_verification(entries: list[Entry]) -> int:
+    revision = source_revision()
+    at = revision_text(revision) if revision is not None else "a checkout without git"
+    scratch = Path("runs") / "verify" / time.strftime("%Y%m%d-%H%M%S")
+    print(f"verifying {len(entries)} result(s) at {at}: one committed run each, again, into {scratch}/", flush=True)
+    verdicts = []
+    for entry in entries:
+        verdict = verify(entry, scratch)
+        print(f"{entry.name}: {verdict.outcome}: {verdict.pair + ': ' if verdict.pair else ''}{verdict.detail}")
+        verdicts.append(verdict)
+        if verdict.outcome == "interrupted":
+            break
+    print("\n" + render_verdicts(verdicts, at), end="")
+    if any(v.outcome == "interrupted" for v in verdicts):
+        return 130
+    return 1 if any(v.outcome in ("differs", "failed") for v in verdicts) else 0
 
 
 if __name__ == "__main__":

@@ -212,3 +212,65 @@ def test_since_reuses_only_what_ran_at_that_commit_or_later(tmp_path: Path, monk
     assert not results.ran_since(one, root)
     ran(root)
     assert results.ran_since(one, head) == (root == head)
+
+
+def test_verify_reruns_one_committed_run_and_compares_its_final_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    manifest = [{"name": "cmp", "compare": "tiny.compare.yaml"}, {"name": "one", "run": "base.yaml"}]
+    cmp, one = results.load_manifest(federation(tmp_path, manifest))
+    assert results.verify(cmp, tmp_path / "scratch").outcome == "skipped"  # nothing committed yet
+    subprocess.run(
+        [sys.executable, "-m", "fairfl.compose", "compare", str(tmp_path / "tiny.compare.yaml"), "--output",
+         str(tmp_path / cmp.output), "--jobs", "1"],
+        cwd=REPO, check=True, capture_output=True,
+    )  # fmt: skip
+    committed = tmp_path / cmp.output / "a" / "seed0"
+
+    verdict = results.verify(cmp, tmp_path / "scratch")
+    assert (verdict.entry, verdict.pair, verdict.outcome) == ("cmp", "A seed 0", "reproduced")
+    rerun = json.loads((tmp_path / "scratch" / "cmp" / "a" / "seed0" / "results.json").read_text())
+    assert rerun["final_model_sha256"] == json.loads((committed / "results.json").read_text())["final_model_sha256"]
+
+    record = json.loads((committed / "results.json").read_text())
+    (committed / "results.json").write_text(json.dumps({**record, "final_model_sha256": "0" * 64}))
+    assert results.verify(cmp, tmp_path / "scratch2").outcome == "differs"
+
+    provenance = json.loads((committed / "provenance.json").read_text())
+    gpu = {**provenance, "resumed": [{"machine": {"cuda": "NVIDIA H200"}, "after_round": 1}]}
+    (committed / "provenance.json").write_text(json.dumps(gpu))
+    verdict = results.verify(cmp, tmp_path / "scratch3")
+    assert verdict.outcome == "skipped" and "NVIDIA H200" in verdict.detail
+    (committed / "provenance.json").write_text(json.dumps(provenance))
+
+    compare = yaml.safe_load((tmp_path / "tiny.compare.yaml").read_text())
+    compare["runs"][0]["set"]["training.lr"] = 0.5  # the file now makes another experiment than the committed one
+    (tmp_path / "tiny.compare.yaml").write_text(yaml.safe_dump(compare, sort_keys=False))
+    verdict = results.verify(cmp, tmp_path / "scratch4")
+    assert verdict.outcome == "skipped" and "another experiment" in verdict.detail
+    assert not (tmp_path / "scratch3").exists() and not (tmp_path / "scratch4").exists()  # skipped: nothing ran
+
+    assert results.verify(one, tmp_path / "scratch").outcome == "skipped"  # a single run is re-run, not verified
+    table = results.render_verdicts([verdict], "abc1234")
+    assert "| cmp | A seed 0 | skipped |" in table
+
+
+def test_verification_exits_1_when_a_run_differs_or_fails_and_stops_when_interrupted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    entries = [results.Entry("a", compare="x"), results.Entry("b", compare="y")]
+
+    def verdicts(*outcomes: str) -> int:
+        found = iter(outcomes)
+        monkeypatch.setattr(results, "verify", lambda e, _s: results.Verdict(e.name, "R seed 0", next(found), "d"))
+        return results.run_verification(entries)
+
+    assert verdicts("reproduced", "skipped") == 0
+    assert verdicts("reproduced", "differs") == 1
+    assert verdicts("failed", "reproduced") == 1
+    assert verdicts("interrupted", "reproduced") == 130
+    assert "| a | R seed 0 | interrupted | d |" in capsys.readouterr().out
