@@ -11,22 +11,27 @@ round's bytes alone take, on bare transports without any FairFL code in the path
 processes on loopback, one round being each agent fetching the model once and sending its clients' updates (the
 all-participating preset: 10 clients on 2 agents, MLP 784-200-200-10, 0.8 MB a model and an update). Transports:
 
-- gRPC with mutual TLS, one unary call per update, raw bytes (no protobuf parse, no checksum), FairFL's channel and
-  server options: what any design that sends updates as gRPC messages pays at least;
+- gRPC with mutual TLS, one unary call per update, raw bytes (no protobuf parse, no checksum), with FairFL's channel
+  and server options and grpcio's blocking unary calls (HTTP/2 window and frame settings, streaming and grpc.aio were
+  not tried here; section 1b's channel-option trials changed nothing measurable);
 - the same without TLS;
 - gRPC with mutual TLS, one call per agent carrying a partial sum of its clients' updates in double-double (hi and
-  lo, 16 bytes a parameter; issue #21's planned agent-side folding): fewer calls, about as many bytes;
+  lo, 16 bytes a parameter; issue #21's planned agent-side folding): 2 calls instead of 10, and 20% fewer bytes
+  (3.2 MB an agent instead of 4.0 MB);
 - a TLS socket (Python's ssl module, mutual TLS with the same certificates), each update received with recv_into into
   a preallocated buffer: what a bulk path beside gRPC could cost.
 
-CPU per round is every process's user + system CPU over the measured rounds (after a warm-up round), divided by them;
-the loop and the transports are measured in 3 interleaved repetitions and the medians reported.
+Every upload's reply carries the byte count the server received, which the agent checks, as it checks the model's
+size. CPU per round is every process's user + system CPU over the measured rounds (after a warm-up round), divided by
+them; the loop (bench_round's one-thread plain loop over the preset's rounds, its CPU per round as section 1 computes
+it) and the transports are measured in 3 interleaved repetitions and the medians reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import select
 import socket
 import ssl
 import statistics
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +50,7 @@ from typing import Any
 import benchlib  # first: puts the repository on sys.path and pins OMP threads before torch loads
 import grpc
 import numpy as np
-from bench_round import TARGET_CPU_RATIO, TARGET_FLOOR_RATIO, plain_loop
+from bench_round import TARGET_CPU_RATIO, TARGET_FLOOR_RATIO, LoopTiming, loss_passes_run, plain_loop
 
 from fairfl import tls
 from fairfl.rpc_channel import CHANNEL_OPTIONS
@@ -54,10 +60,13 @@ from fairfl.rpc_server import SERVER_OPTIONS
 CONFIG = benchlib.REPO / "experiments" / "bench_all_participating.yaml"
 SERVICE = "bench.TransportFloor"
 AGENTS = 2
+CLIENTS = 10  # the preset's clients, all of them every round
 ROUNDS, QUICK_ROUNDS = 200, 20
-PLAIN_ROUNDS, QUICK_PLAIN_ROUNDS = 40, 6
+QUICK_PLAIN_ROUNDS = 6  # otherwise the preset's rounds, as section 1 runs the loop
 REPEATS = 3
 HEADER = struct.Struct("!BQ")  # TLS socket framing: operation, payload bytes
+COUNT = struct.Struct("!Q")  # a reply's byte count: the model's size before it, the bytes received after an upload
+IO_TIMEOUT_S = 60.0  # any one call or read: a transport that stalls fails the measurement instead of hanging it
 FETCH, UPLOAD = 1, 2
 TLS_RECORD = 16 * 1024
 
@@ -87,8 +96,8 @@ def serve_grpc(model: bytes, security: TransportSecurity | None, port_file: Path
         return model
 
     def upload(request: bytes, _context: grpc.ServicerContext) -> bytes:
-        np.frombuffer(request, dtype=np.uint8)  # what a receiver does first: view the bytes, no copy
-        return b""
+        received = np.frombuffer(request, dtype=np.uint8)  # what a receiver does first: view the bytes, no copy
+        return COUNT.pack(received.nbytes)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
     handlers = {
@@ -103,8 +112,15 @@ def serve_grpc(model: bytes, security: TransportSecurity | None, port_file: Path
         else server.add_insecure_port(address)
     )
     server.start()
-    port_file.write_text(str(port))
+    _announce(port_file, port)
     server.wait_for_termination()
+
+
+def _announce(port_file: Path, port: int) -> None:
+    """Write the port where the parent looks for it, whole (a rename), never half-written."""
+    partial = port_file.with_suffix(".partial")
+    partial.write_text(str(port))
+    partial.replace(port_file)
 
 
 def _recv_exactly(conn: ssl.SSLSocket, view: memoryview) -> None:
@@ -121,9 +137,10 @@ def serve_socket(model: bytes, certs: Path, port_file: Path) -> None:
     context.load_cert_chain(certs / "server" / tls.CERT, certs / "server" / tls.KEY)
     context.verify_mode = ssl.CERT_REQUIRED
     listener = socket.create_server(("127.0.0.1", 0))
-    port_file.write_text(str(listener.getsockname()[1]))
+    _announce(port_file, listener.getsockname()[1])
 
     def handle(raw: socket.socket) -> None:
+        raw.settimeout(IO_TIMEOUT_S)
         with context.wrap_socket(raw, server_side=True) as conn:
             header = bytearray(HEADER.size)
             buffer = bytearray(len(model))
@@ -134,12 +151,13 @@ def serve_socket(model: bytes, certs: Path, port_file: Path) -> None:
                     return
                 operation, size = HEADER.unpack(header)
                 if operation == FETCH:
+                    conn.sendall(COUNT.pack(len(model)))
                     conn.sendall(model)
                 else:
                     if size > len(buffer):
                         buffer = bytearray(size)
                     _recv_exactly(conn, memoryview(buffer)[:size])
-                    conn.sendall(b"\x01")
+                    conn.sendall(COUNT.pack(size))
 
     while True:
         raw, _ = listener.accept()
@@ -147,6 +165,9 @@ def serve_socket(model: bytes, certs: Path, port_file: Path) -> None:
 
 
 # --- agent --------------------------------------------------------------------------------------------------------
+
+
+RoundTrip = Callable[[list[np.ndarray]], None]
 
 
 def run_agent(args: argparse.Namespace) -> None:
@@ -164,7 +185,12 @@ def run_agent(args: argparse.Namespace) -> None:
     print(f"cpu {time.process_time() - started:.6f}", flush=True)
 
 
-def _grpc_agent(args: argparse.Namespace) -> Any:
+def _checked(what: str, got: int, expected: int) -> None:
+    if got != expected:
+        raise SystemExit(f"{what}: {got} bytes, expected {expected}")
+
+
+def _grpc_agent(args: argparse.Namespace) -> RoundTrip:
     address = f"127.0.0.1:{args.port}"
     if args.tls:
         security = TransportSecurity.from_dir(args.certs / "agent")
@@ -179,30 +205,38 @@ def _grpc_agent(args: argparse.Namespace) -> Any:
     fetch = channel.unary_unary(f"/{SERVICE}/Fetch")
     upload = channel.unary_unary(f"/{SERVICE}/Upload")
 
+    messages: dict[int, bytes] = {}  # grpcio sends bytes: each payload's are made once, outside the measured rounds
+
     def round_trip(payloads: list[np.ndarray]) -> None:
-        model = fetch(b"")
-        if len(model) != args.model_bytes:
-            raise SystemExit(f"fetched {len(model)} bytes of model, expected {args.model_bytes}")
-        for payload in payloads:
-            upload(payload.tobytes())  # a message's bytes: grpcio takes a bytes object
+        _checked("the model fetched", len(fetch(b"", timeout=IO_TIMEOUT_S)), args.model_bytes)
+        for i, payload in enumerate(payloads):
+            message = messages.setdefault(i, payload.tobytes())
+            (received,) = COUNT.unpack(upload(message, timeout=IO_TIMEOUT_S))
+            _checked("an update the server received", received, len(message))
 
     return round_trip
 
 
-def _socket_agent(args: argparse.Namespace) -> Any:
+def _socket_agent(args: argparse.Namespace) -> RoundTrip:
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(args.certs / "agent" / tls.CA_CERT))
     context.load_cert_chain(args.certs / "agent" / tls.CERT, args.certs / "agent" / tls.KEY)
-    conn = context.wrap_socket(socket.create_connection(("127.0.0.1", args.port)), server_hostname="localhost")
+    raw = socket.create_connection(("127.0.0.1", args.port), timeout=IO_TIMEOUT_S)
+    conn = context.wrap_socket(raw, server_hostname="localhost")
     model = bytearray(args.model_bytes)
-    ack = bytearray(1)
+    count = bytearray(COUNT.size)
+
+    def read_count() -> int:
+        _recv_exactly(conn, memoryview(count))
+        return int(COUNT.unpack(count)[0])
 
     def round_trip(payloads: list[np.ndarray]) -> None:
         conn.sendall(HEADER.pack(FETCH, 0))
+        _checked("the model fetched", read_count(), args.model_bytes)
         _recv_exactly(conn, memoryview(model))
         for payload in payloads:
             conn.sendall(HEADER.pack(UPLOAD, payload.nbytes))
             conn.sendall(memoryview(payload).cast("B"))  # straight from the tensor's memory
-            _recv_exactly(conn, memoryview(ack))
+            _checked("an update the server received", read_count(), payload.nbytes)
 
     return round_trip
 
@@ -217,10 +251,25 @@ def _child(role: str, transport: Transport, certs: Path, extra: list[str], **pop
     return subprocess.Popen(argv, text=True, **popen)
 
 
+def round_shape(transport: Transport, numel: int) -> tuple[int, int]:
+    """(messages, bytes a message) an agent uploads a round: its clients' float32 updates, or one double-double partial
+    sum of them (hi and lo, float64 each)."""
+    return (1, numel * 16) if transport.partial else (CLIENTS // AGENTS, numel * 4)
+
+
+def _read_line(process: subprocess.Popen[str], what: str, timeout_s: float) -> str:
+    """A child's next line of output, or SystemExit naming `what` when none comes in time (a stalled transport)."""
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    if not ready:
+        raise SystemExit(f"bench_transport_floor: {what}: no answer in {timeout_s:g} s")
+    return process.stdout.readline().strip()
+
+
 def measure(transport: Transport, certs: Path, numel: int, rounds: int, work: Path) -> dict[str, float]:
     """CPU seconds per round of the server and of the agents (summed) for one transport."""
     model_bytes = numel * 4
-    uploads, update_bytes = (1, numel * 16) if transport.partial else (10 // AGENTS, numel * 4)
+    uploads, update_bytes = round_shape(transport, numel)
     port_file = work / f"{transport.key}.port"
     port_file.unlink(missing_ok=True)  # an earlier repetition's: its server is gone
     server = _child("server", transport, certs, ["--model-bytes", str(model_bytes), "--port-file", str(port_file)])
@@ -239,7 +288,7 @@ def measure(transport: Transport, certs: Path, numel: int, rounds: int, work: Pa
             for _ in range(AGENTS)
         ]
         for agent in agents:
-            if agent.stdout is None or agent.stdout.readline().strip() != "ready":
+            if _read_line(agent, f"a {transport.key} agent's warm-up round", IO_TIMEOUT_S) != "ready":
                 raise SystemExit(f"bench_transport_floor: a {transport.key} agent failed its warm-up round")
         server_started = benchlib.cpu_seconds(server.pid)
         for agent in agents:
@@ -248,9 +297,8 @@ def measure(transport: Transport, certs: Path, numel: int, rounds: int, work: Pa
             agent.stdin.flush()
         agent_cpu = 0.0
         for agent in agents:
-            assert agent.stdout is not None
-            line = agent.stdout.readline().split()
-            if agent.wait(timeout=600) != 0 or len(line) != 2 or line[0] != "cpu":
+            line = _read_line(agent, f"a {transport.key} agent's rounds", rounds * IO_TIMEOUT_S).split()
+            if agent.wait(timeout=IO_TIMEOUT_S) != 0 or len(line) != 2 or line[0] != "cpu":
                 raise SystemExit(f"bench_transport_floor: a {transport.key} agent failed")
             agent_cpu += float(line[1])
         server_cpu = benchlib.cpu_seconds(server.pid) - server_started
@@ -263,12 +311,12 @@ def measure(transport: Transport, certs: Path, numel: int, rounds: int, work: Pa
 
 
 def plain_loop_cpu(config: Any, rounds: int) -> float:
-    """The one-thread plain loop's CPU seconds per round on the preset (median over rounds): the training that #21's
-    1.15x is measured against."""
+    """The one-thread plain loop's CPU seconds per round on the preset, as section 1 computes it (bench_round's
+    LoopTiming: rounds 2 to the last, the final evaluation amortised over them): the training #21's 1.15x is
+    measured against."""
     everyone = list(range(config.data.num_clients))
-    loop = plain_loop(config, [everyone] * rounds, loss_passes=False)
-    per_round = np.diff(loop.cpu)
-    return float(np.median(per_round))
+    loop = plain_loop(config, [everyone] * rounds)
+    return LoopTiming.of(loop, loss_passes_run(config)).cpu
 
 
 def crypto_floor(round_bytes: int, repeats: int = 5) -> float:
@@ -335,14 +383,15 @@ def report(args: argparse.Namespace) -> int:
         work = Path(tmp)
         make_certificates(work)
         for _ in range(repeats):  # interleaved: the machine's drift moves the loop and the transports alike
-            plains.append(plain_loop_cpu(config, QUICK_PLAIN_ROUNDS if args.quick else PLAIN_ROUNDS))
+            plains.append(plain_loop_cpu(config, QUICK_PLAIN_ROUNDS if args.quick else config.rounds))
             for transport in TRANSPORTS:
                 cpu[transport.key].append(measure(transport, work, layout.numel, rounds, work))
     plain = statistics.median(plains)
-    # Round time / ideal floor >= CPU per round / the one-thread loop's CPU (a round cannot end before its CPU work is
-    # done on the cores the floor divides over), so the time target bounds the CPU too, more loosely.
+    # Round time / ideal floor >= CPU per round / the one-thread loop's CPU, approximately (a round cannot end before
+    # its CPU work is done on the cores the floor divides over; the floor is the loop's work, which its CPU
+    # approximates), so the time target bounds the CPU too, more loosely.
     budgets = {"cpu": (TARGET_CPU_RATIO - 1.0) * plain, "time": (TARGET_FLOOR_RATIO - 1.0) * plain}
-    round_bytes = (AGENTS + 10) * layout.numel * 4  # the model down to each agent, ten updates up
+    round_bytes = (AGENTS + CLIENTS) * layout.numel * 4  # the model down to each agent, ten updates up
     figures = [
         benchlib.figure(
             f"plain loop, 1 torch thread: CPU per round (the preset's training; {_runs(plains, 1e3, 'ms')})",
@@ -376,16 +425,16 @@ def report(args: argparse.Namespace) -> int:
         server, agents = (statistics.median(c[role] for c in runs) for role in ("server", "agents"))
         figures += [
             benchlib.figure(
-                f"{transport.label}: CPU per round, all processes (server {server * 1e3:.1f} ms, agents "
-                f"{agents * 1e3:.1f} ms; {_runs(per_run, 1e3, 'ms')})",
+                f"{transport.label}: CPU per round, all processes ({_runs(per_run, 1e3, 'ms')}; the medians of the "
+                f"server's and the agents' own: {server * 1e3:.1f} and {agents * 1e3:.1f} ms)",
                 total * 1e3,
                 "ms",
                 key=f"{transport.key}_ms",
             ),
             benchlib.figure(
-                f"{transport.label}: share of the CPU budget ({_runs(shares, 1, 'x')}, each against its repetition's "
-                "loop)",
-                statistics.median(shares),
+                f"{transport.label}: share of the CPU budget (the medians' ratio; each repetition against its own "
+                f"loop: {', '.join(f'{x:.2f}' for x in shares)})",
+                total / budgets["cpu"],
                 "x",
                 key=f"{transport.key}_of_budget",
             ),
@@ -404,7 +453,7 @@ def report(args: argparse.Namespace) -> int:
 
 
 def _runs(values: list[float], scale: float, unit: str) -> str:
-    """'median of N runs (a, b, c)' or '1 run'."""
+    """'median of N interleaved runs: a, b, c <unit>' (the values times `scale`), or '1 run'."""
     if len(values) == 1:
         return "1 run"
     return f"median of {len(values)} interleaved runs: " + ", ".join(f"{v * scale:.3g}" for v in values) + f" {unit}"
@@ -422,11 +471,12 @@ def conclusions(numel: int, rounds: int, budgets: dict[str, float], totals: dict
     cpu_budget, time_bound = "#21's CPU budget", "the round-time target's bound"
     return [
         f"One round: each of {AGENTS} agent processes fetches the model ({numel * 4 / 1e6:.2f} MB) and sends "
-        f"{10 // AGENTS} updates of the same size (or one partial sum of {numel * 16 / 1e6:.2f} MB); {rounds} "
+        f"{CLIENTS // AGENTS} updates of the same size (or one partial sum of {numel * 16 / 1e6:.2f} MB); {rounds} "
         "rounds after a warm-up; the server only receives (no protobuf, no checksum, no fold, no bookkeeping).",
         f"The round's bytes alone over gRPC with mutual TLS take {mtls * 1e3:.1f} ms of CPU before any FairFL code "
-        f"runs: {against(mtls, 'cpu', cpu_budget)} and {against(mtls, 'time', time_bound)} (a round cannot take "
-        "less than its CPU divided over the cores the floor divides the loop's CPU over).",
+        f"runs: {against(mtls, 'cpu', cpu_budget)} and {against(mtls, 'time', time_bound)} (approximately: a round "
+        "takes at least its CPU divided over the cores, and the ideal floor is the loop's work divided over them, "
+        "which the loop's CPU approximates).",
         f"A TLS socket beside gRPC would move the same bytes for {socket_ * 1e3:.1f} ms: "
         f"{against(socket_, 'cpu', 'the CPU budget')} and {against(socket_, 'time', 'the round-time bound')}, what "
         "would be left for everything else a round does (tasks, polls and heartbeats, the exact fold, the "

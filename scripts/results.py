@@ -13,11 +13,12 @@ spread over several invocations, and the report lists which commit ran which run
 comparison file are removed. The code must be committed (results record the commit that ran them): a checkout with
 uncommitted changes outside docs/ and runs/ is refused unless --allow-dirty, and then the results say "+dirty".
 
-`--verify` re-runs one committed run of each comparison (its first run's first seed) from this checkout into
-runs/verify/ and compares its final model's sha256 with the committed one: "reproduced" means the committed numbers are
-what this code makes, bit for bit. Runs made on a GPU, and runs whose comparison file now makes another experiment, are
-skipped with the reason; a single-run entry is re-run whole by `make results`, not verified. Exits 1 when a run
-differs or fails.
+`--verify` re-runs one committed run of each comparison (the first that ran on no machine with a GPU) from this
+checkout into runs/verify/ and compares its final model's sha256 with the committed one: "reproduced" means the
+committed numbers are what this code makes, bit for bit. A comparison whose file now makes another experiment is
+skipped with the reason; a single-run entry is re-run whole by `make results`, not verified. "differs elsewhere": the
+committed run was made with another torch (other bits are then no sign of a code change). Exits 1 when a run differs
+or fails.
 
 Ctrl-C stops the running comparison the way `fairfl compare` does (finished runs are kept) and exits 130.
 """
@@ -33,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,22 +196,17 @@ class Verdict:
 
 
 def verify(entry: Entry, scratch: Path) -> Verdict:
-    """Re-run one committed run of a comparison entry (its first run's first seed) into `scratch` and compare the
-    final model's sha256 with the committed run's."""
+    """Re-run one committed run of a comparison entry (the first, in the file's order, that has its final model's
+    sha256 and ran on no machine with a GPU) into `scratch` and compare the final model's sha256 with the committed
+    run's."""
     if not entry.compare:
         return Verdict(entry.name, "", "skipped", f"a single run: `make results RESULTS_ONLY={entry.name}` re-runs it")
     spec = load_comparison(entry.compare)
-    run, seed = spec.runs[0], spec.runs[0].seeds[0]
+    found = _committed_cpu_run(entry, spec)
+    if isinstance(found, Verdict):
+        return found
+    run, seed, committed = found
     pair, committed_dir = f"{run.label} seed {seed}", entry.output / run.slug / f"seed{seed}"
-    try:
-        committed = str(json.loads((committed_dir / "results.json").read_text())["final_model_sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return Verdict(
-            entry.name, pair, "skipped", f"no committed run with its final model's sha256 in {committed_dir}"
-        )
-    gpus = sorted({str(p["machine"]["cuda"]) for p in _segments(committed_dir) if _cuda(p)})
-    if gpus:
-        return Verdict(entry.name, pair, "skipped", f"ran on {', '.join(gpus)}: GPU kernels give other bits elsewhere")
     try:  # loaded, so the comparison is by value, in today's schema (its defaults filled in)
         committed_yaml = load_experiment(str(committed_dir / "experiment.yaml"), {}).to_yaml()
     except ConfigError as err:
@@ -232,12 +229,45 @@ def verify(entry: Entry, scratch: Path) -> Verdict:
     if code in STOPPED_BY_SIGNAL:
         return Verdict(entry.name, pair, "interrupted", f"stopped; its log: {out / 'run.log'}")
     try:
-        now = str(json.loads((out / "results.json").read_text())["final_model_sha256"])
+        now = str(json.loads((out / "results.json").read_text())["final_model_sha256"]) if code == 0 else None
     except (OSError, ValueError, KeyError, TypeError):
+        now = None
+    if now is None:
         return Verdict(entry.name, pair, "failed", f"exit status {code}; its log: {out / 'run.log'}")
     if now == committed:
         return Verdict(entry.name, pair, "reproduced", f"final model sha256 {now[:16]}… as committed")
-    return Verdict(entry.name, pair, "differs", f"final model sha256 {now[:16]}…, committed {committed[:16]}…")
+    detail = f"final model sha256 {now[:16]}…, committed {committed[:16]}…"
+    then = sorted(
+        {str(p["machine"].get("torch")) for p in _segments(committed_dir) if isinstance(p.get("machine"), dict)}
+    )
+    here = str(run_provenance(time.time())["machine"].get("torch"))
+    if then and then != [here]:  # another torch may compute other bits: not this code's doing
+        return Verdict(
+            entry.name, pair, "differs elsewhere", f"{detail}; committed with torch {', '.join(then)}, here {here}"
+        )
+    return Verdict(entry.name, pair, "differs", detail)
+
+
+def _committed_cpu_run(entry: Entry, spec: Any) -> tuple[Any, int, str] | Verdict:
+    """The first (run, seed, committed sha256) of the comparison that was committed with its final model's sha256 and
+    ran on no machine with a GPU (a GPU's kernels give other bits elsewhere), or the Verdict saying why none."""
+    gpus: set[str] = set()
+    for run in spec.runs:
+        for seed in run.seeds:
+            run_dir = entry.output / run.slug / f"seed{seed}"
+            try:
+                committed = str(json.loads((run_dir / "results.json").read_text())["final_model_sha256"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            on_gpu = {str(p["machine"]["cuda"]) for p in _segments(run_dir) if _cuda(p)}
+            if not on_gpu:
+                return run, seed, committed
+            gpus |= on_gpu
+    if gpus:
+        return Verdict(
+            entry.name, "", "skipped", f"every committed run ran on a machine with {', '.join(sorted(gpus))}"
+        )
+    return Verdict(entry.name, "", "skipped", f"no committed run with its final model's sha256 under {entry.output}")
 
 
 def _segments(run_dir: Path) -> list[dict[str, Any]]:
@@ -380,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_verification(entries: list[Entry]) -> int:
     revision = source_revision()
     at = revision_text(revision) if revision is not None else "a checkout without git"
-    scratch = Path("runs") / "verify" / time.strftime("%Y%m%d-%H%M%S")
+    parent = Path("runs") / "verify"
+    parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=parent))  # never another call's
     print(f"verifying {len(entries)} result(s) at {at}: one committed run each, again, into {scratch}/", flush=True)
     verdicts = []
     for entry in entries:

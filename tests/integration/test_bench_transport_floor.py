@@ -1,16 +1,18 @@
 """scripts/bench_transport_floor.py's measurement: each bare transport moves a round's bytes between real processes
-(a server and two agents) and reports their CPU; an agent that gets the wrong bytes fails the measurement."""
+(a server and two agents, every upload's byte count confirmed by the server) and reports their CPU; an agent that gets
+other bytes than expected fails the measurement instead of hanging it."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from bench_transport_floor import TRANSPORTS, Transport, crypto_floor, make_certificates, measure
+from bench_transport_floor import TRANSPORTS, Transport, make_certificates, measure, round_shape
 
 
 @pytest.fixture(scope="module")
@@ -30,28 +32,29 @@ def test_each_transport_moves_the_rounds_and_reports_every_process_cpu(
     assert cpu["server"] >= 0.0  # /proc's clock ticks are 10 ms: a light server may read 0
 
 
-def test_a_server_sending_the_wrong_model_size_fails_the_measurement(
-    certificates: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=lambda t: t.key)
+def test_an_agent_getting_other_bytes_than_expected_fails_the_measurement_without_hanging(
+    transport: Transport, certificates: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import bench_transport_floor
 
     original = bench_transport_floor._child
 
-    def lying_child(role: str, transport: Transport, certs: Path, extra: list[str], **popen: object):  # type: ignore[no-untyped-def]
+    def lying_child(role: str, transport: Transport, certs: Path, extra: list[str], **popen: Any) -> Any:
         if role == "agent":  # the agent expects one byte more than the server sends
             at = extra.index("--model-bytes") + 1
             extra = [*extra[:at], str(int(extra[at]) + 1), *extra[at + 1 :]]
         return original(role, transport, certs, extra, **popen)
 
     monkeypatch.setattr(bench_transport_floor, "_child", lying_child)
-    grpc_mtls = next(t for t in TRANSPORTS if t.key == "grpc_mtls")
     with pytest.raises(SystemExit, match="warm-up"):
-        measure(grpc_mtls, certificates, numel=1_000, rounds=2, work=tmp_path)
+        measure(transport, certificates, numel=1_000, rounds=2, work=tmp_path)
 
 
-def test_the_cipher_floor_grows_with_the_bytes() -> None:
-    small, large = crypto_floor(64 * 1024, repeats=3), crypto_floor(64 * 1024 * 1024, repeats=1)
-    assert large > small >= 0.0
+def test_a_round_is_each_clients_float32_update_or_one_double_double_partial_sum_an_agent() -> None:
+    by_key = {t.key: round_shape(t, numel=1_000) for t in TRANSPORTS}
+    assert by_key["grpc_mtls"] == by_key["grpc_plain"] == by_key["socket_mtls"] == (5, 4_000)  # 10 clients, 2 agents
+    assert by_key["grpc_mtls_partial"] == (1, 16_000)  # hi and lo, float64 each
 
 
 def test_the_conclusions_say_how_far_over_or_under_each_budget_the_transports_are() -> None:

@@ -238,20 +238,33 @@ def test_verify_reruns_one_committed_run_and_compares_its_final_model(
     record = json.loads((committed / "results.json").read_text())
     (committed / "results.json").write_text(json.dumps({**record, "final_model_sha256": "0" * 64}))
     assert results.verify(cmp, tmp_path / "scratch2").outcome == "differs"
-
     provenance = json.loads((committed / "provenance.json").read_text())
-    gpu = {**provenance, "resumed": [{"machine": {"cuda": "NVIDIA H200"}, "after_round": 1}]}
-    (committed / "provenance.json").write_text(json.dumps(gpu))
-    verdict = results.verify(cmp, tmp_path / "scratch3")
-    assert verdict.outcome == "skipped" and "NVIDIA H200" in verdict.detail
+    other_torch = {**provenance, "machine": {**provenance["machine"], "torch": "0.1.0"}}
+    (committed / "provenance.json").write_text(json.dumps(other_torch))
+    verdict = results.verify(cmp, tmp_path / "scratch2b")
+    assert verdict.outcome == "differs elsewhere" and "torch 0.1.0" in verdict.detail  # not this code's doing
     (committed / "provenance.json").write_text(json.dumps(provenance))
+
+    def ran_on_a_gpu(run_dir: Path) -> None:
+        segment = {"machine": {"cuda": "NVIDIA H200"}, "after_round": 1}
+        (run_dir / "provenance.json").write_text(json.dumps({**provenance, "resumed": [segment]}))
+
+    ran_on_a_gpu(committed)  # the next committed run that ran on CPUs only is verified instead
+    assert results.verify(cmp, tmp_path / "scratch3").pair == "A seed 1"
+    for run_dir in (tmp_path / cmp.output).glob("*/seed*"):
+        ran_on_a_gpu(run_dir)
+    verdict = results.verify(cmp, tmp_path / "scratch3b")
+    assert verdict.outcome == "skipped" and "NVIDIA H200" in verdict.detail
+    assert not (tmp_path / "scratch3b").exists()
+    for run_dir in (tmp_path / cmp.output).glob("*/seed*"):
+        (run_dir / "provenance.json").write_text(json.dumps(provenance))
 
     compare = yaml.safe_load((tmp_path / "tiny.compare.yaml").read_text())
     compare["runs"][0]["set"]["training.lr"] = 0.5  # the file now makes another experiment than the committed one
     (tmp_path / "tiny.compare.yaml").write_text(yaml.safe_dump(compare, sort_keys=False))
     verdict = results.verify(cmp, tmp_path / "scratch4")
     assert verdict.outcome == "skipped" and "another experiment" in verdict.detail
-    assert not (tmp_path / "scratch3").exists() and not (tmp_path / "scratch4").exists()  # skipped: nothing ran
+    assert not (tmp_path / "scratch4").exists()  # skipped: nothing ran
 
     assert results.verify(one, tmp_path / "scratch").outcome == "skipped"  # a single run is re-run, not verified
     table = results.render_verdicts([verdict], "abc1234")
