@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -287,3 +288,21 @@ def test_verification_exits_1_when_a_run_differs_or_fails_and_stops_when_interru
     assert verdicts("failed", "reproduced") == 1
     assert verdicts("interrupted", "reproduced") == 130
     assert "| a | R seed 0 | interrupted | d |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+def test_make_results_passes_its_variables_to_the_script() -> None:
+    """`make results RESULTS_ONLY=... RESULTS_SINCE=... RESULTS_VERIFY=1` (the README's commands) reach the script."""
+    import subprocess
+
+    shown = subprocess.run(
+        ["make", "-n", "results", "RESULTS_ONLY=a,b", "RESULTS_SINCE=abc123", "RESULTS_VERIFY=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.replace("\\\n", " ")
+    assert "scripts/results.py" in shown
+    assert "--only a,b" in shown and "--since abc123" in shown and "--verify" in shown
+    plain = subprocess.run(["make", "-n", "results"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "--verify" not in plain and "--only" not in plain
