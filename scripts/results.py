@@ -45,7 +45,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fairfl.compose.compare import load_comparison  # noqa: E402
+from fairfl.compose.compare import ComparisonSpec, RunSpec, load_comparison  # noqa: E402
 from fairfl.compose.compare.report import CLAIM_HEADINGS, claim_cells  # noqa: E402
 from fairfl.compose.provenance import (  # noqa: E402
     descends_from,
@@ -248,7 +248,7 @@ def verify(entry: Entry, scratch: Path) -> Verdict:
     return Verdict(entry.name, pair, "differs", detail)
 
 
-def _committed_cpu_run(entry: Entry, spec: Any) -> tuple[Any, int, str] | Verdict:
+def _committed_cpu_run(entry: Entry, spec: ComparisonSpec) -> tuple[RunSpec, int, str] | Verdict:
     """The first (run, seed, committed sha256) of the comparison that was committed with its final model's sha256 and
     ran on no machine with a GPU (a GPU's kernels give other bits elsewhere), or the Verdict saying why none."""
     gpus: set[str] = set()
