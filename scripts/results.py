@@ -52,6 +52,7 @@ from fairfl.compose.provenance import (  # noqa: E402
     resolve_commit,
     revision_text,
     run_provenance,
+    run_segments,
     source_revision,
 )
 from fairfl.config import ConfigError, load_experiment  # noqa: E402
@@ -238,7 +239,7 @@ def verify(entry: Entry, scratch: Path) -> Verdict:
         return Verdict(entry.name, pair, "reproduced", f"final model sha256 {now[:16]}… as committed")
     detail = f"final model sha256 {now[:16]}…, committed {committed[:16]}…"
     then = sorted(
-        {str(p["machine"].get("torch")) for p in _segments(committed_dir) if isinstance(p.get("machine"), dict)}
+        {str(p["machine"].get("torch")) for p in run_segments(committed_dir) if isinstance(p.get("machine"), dict)}
     )
     here = str(run_provenance(time.time())["machine"].get("torch"))
     if then and then != [here]:  # another torch may compute other bits: not this code's doing
@@ -259,7 +260,7 @@ def _committed_cpu_run(entry: Entry, spec: ComparisonSpec) -> tuple[RunSpec, int
                 committed = str(json.loads((run_dir / "results.json").read_text())["final_model_sha256"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            on_gpu = {str(p["machine"]["cuda"]) for p in _segments(run_dir) if _cuda(p)}
+            on_gpu = {str(p["machine"]["cuda"]) for p in run_segments(run_dir) if _cuda(p)}
             if not on_gpu:
                 return run, seed, committed
             gpus |= on_gpu
@@ -268,16 +269,6 @@ def _committed_cpu_run(entry: Entry, spec: ComparisonSpec) -> tuple[RunSpec, int
             entry.name, "", "skipped", f"every committed run ran on a machine with {', '.join(sorted(gpus))}"
         )
     return Verdict(entry.name, "", "skipped", f"no committed run with its final model's sha256 under {entry.output}")
-
-
-def _segments(run_dir: Path) -> list[dict[str, Any]]:
-    """Where a run ran: its provenance.json and each resumed segment's (none for runs older than provenance.json,
-    which have only revision.txt: those ran on this project's CPU machine)."""
-    try:
-        provenance = json.loads((run_dir / "provenance.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return [provenance, *provenance.get("resumed", [])] if isinstance(provenance, dict) else []
 
 
 def _cuda(provenance: dict[str, Any]) -> bool:

@@ -51,6 +51,24 @@ def run_provenance(started: float) -> dict[str, Any]:
     }
 
 
+PROVENANCE_FILE = "provenance.json"  # in a result's run folder: run_provenance's record, one per segment of the run
+
+
+def run_segments(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of every invocation that ran the run in `run_dir` (its provenance.json: the first, then each
+    resumed one, which also names the round it went on after); empty when none is recorded or it is unreadable."""
+    import json
+
+    try:
+        provenance = json.loads((run_dir / PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(provenance, dict):
+        return []
+    resumed = provenance.get("resumed", [])
+    return [provenance, *(r for r in resumed if isinstance(r, dict))] if isinstance(resumed, list) else [provenance]
+
+
 def machine_description() -> dict[str, Any]:
     """Platform, CPU count, Python, torch and the GPU, if any (informational: never fails)."""
     import os

@@ -35,14 +35,13 @@ import yaml
 from aggregator_service.checkpoint import CheckpointError
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
 from fairfl.compose.compare.summary import ComparisonResult, RunFailure, SeedSummary
-from fairfl.compose.provenance import descends_from, run_provenance
+from fairfl.compose.provenance import PROVENANCE_FILE, descends_from, run_provenance, run_segments
 from fairfl.compose.resume import resumable_run, running_elsewhere, same_experiment, unstated_fields
 from fairfl.config import ExperimentConfig, experiment_from_yaml
 from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
 FINISHED_STATE = "RUN_STATE_COMPLETED"
-PROVENANCE_FILE = "provenance.json"  # the commit, machine and start of the pair's run (fairfl.compose.provenance)
 CHECKPOINT_DIR = "checkpoint"  # an in-process pair's checkpoints while it runs (runtime.checkpoint_dir)
 
 
@@ -115,11 +114,12 @@ def _run_dir(output_dir: Path, run: RunSpec, seed: int) -> Path:
 def _revisions(run_dir: Path) -> list[tuple[str, int]]:
     """(commit, the round it went on after) of every invocation that ran the pair, from its provenance.json
     (revision.txt before that file existed); empty when none is recorded."""
+    segments = run_segments(run_dir)
     try:
-        provenance = json.loads((run_dir / PROVENANCE_FILE).read_text())
-        first = [(str(provenance["revision"]), 0)]
-        return first + [(str(r["revision"]), int(r["after_round"])) for r in provenance.get("resumed", [])]
-    except (OSError, ValueError, KeyError, TypeError):
+        if segments:
+            first, *resumed = segments
+            return [(str(first["revision"]), 0)] + [(str(r["revision"]), int(r["after_round"])) for r in resumed]
+    except (KeyError, ValueError, TypeError):
         pass
     try:
         revision = (run_dir / "revision.txt").read_text().strip()
