@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -233,15 +233,16 @@ def clipped_gradient_sum(
     method "vmap": per-sample gradients with torch.func (any model). "layerwise": Opacus-style per-layer grad-sample
     from the layers' inputs and output gradients of one batched backward; a Linear layer's per-sample norm is
     ‖a_j‖·‖δ_j‖ and its clipped sum (c ⊙ δ)ᵀa, so its per-sample gradients are never stored ("ghost clipping"),
-    a Conv2d's come from unfold. Same result up to float rounding, 1.5–3× faster for the CNNs on a CPU. "auto" takes
-    layerwise when every parameter is in a Linear or Conv2d and there is no prox term, else vmap.
+    a Conv2d's come from unfold; a prox term p enters through ‖g_j + p‖² = ‖g_j‖² + 2⟨g_j, p⟩ + ‖p‖² and
+    Σ_j c_j (g_j + p) = Σ_j c_j g_j + (Σ_j c_j) p. Same result up to float rounding, 1.5–3× faster for the CNNs on a
+    CPU. "auto" takes layerwise when every parameter is in a Linear or Conv2d, else vmap.
     """
     if method == "auto":
-        method = "layerwise" if prox is None and layerwise_supported(model) else "vmap"
+        method = "layerwise" if layerwise_supported(model) else "vmap"
     if method == "layerwise":
-        if prox is not None or not layerwise_supported(model):
-            raise ValueError("layerwise clipping needs a model of Linear/Conv2d layers and no prox term")
-        return _layerwise_clipped_sum(model, x, y, clip_norm, fair_lambda, global_loss, chunk or LAYERWISE_CHUNK)
+        if not layerwise_supported(model):
+            raise ValueError("layerwise clipping needs a model whose parameters are all in Linear/Conv2d layers")
+        return _layerwise_clipped_sum(model, x, y, clip_norm, fair_lambda, global_loss, prox, chunk or LAYERWISE_CHUNK)
     if method != "vmap":
         raise ValueError(f"unknown per-sample gradient method {method!r}; use auto, vmap or layerwise")
     chunk = chunk or CHUNK
@@ -272,11 +273,14 @@ def _layerwise_clipped_sum(
     clip_norm: float,
     fair_lambda: float,
     global_loss: float,
+    prox: dict[str, torch.Tensor] | None,
     chunk: int,
 ) -> ClippedSum:
     layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
     names = {id(p): k for k, p in model.named_parameters()}
     sums = {k: torch.zeros_like(p.detach()) for k, p in model.named_parameters()}
+    # ‖p‖² over every parameter, a layer that did not run included (its g_j is 0, its p_j is not)
+    prox_sq = _squared_norm(prox.values()) if prox is not None else None
     loss_total = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, len(y), chunk):
         xb, yb = x[start : start + chunk], y[start : start + chunk]
@@ -306,13 +310,18 @@ def _layerwise_clipped_sum(
         parts = []
         for m, delta in zip(used, deltas, strict=True):
             a = captured[m][0]
+            p_weight = prox[names[id(m.weight)]] if prox is not None else None
+            p_bias = prox[names[id(m.bias)]] if prox is not None and m.bias is not None else None
             if isinstance(m, nn.Linear):
                 if a.dim() != 2:
                     raise ValueError("layerwise clipping supports Linear layers on (batch, features) inputs only")
                 d = delta.detach()
                 dn = d.pow(2).sum(1)
                 sq += a.pow(2).sum(1) * dn + (dn if m.bias is not None else 0.0)
+                if p_weight is not None:  # ⟨δ_j a_jᵀ, P⟩ = (δ_j P)·a_j, without forming δ_j a_jᵀ
+                    sq += 2.0 * ((d @ p_weight) * a).sum(1)
                 parts.append((m, a, d))
+                bias_grad = d
             else:
                 u = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
                 d = delta.detach().reshape(b, delta.shape[1], -1)
@@ -321,7 +330,14 @@ def _layerwise_clipped_sum(
                 sq += torch.linalg.vector_norm(g.reshape(b, -1), dim=1).pow(2)
                 if m.bias is not None:
                     sq += gb.pow(2).sum(1)
+                if p_weight is not None:
+                    sq += 2.0 * (g.reshape(b, -1) @ p_weight.reshape(-1))
                 parts.append((m, g, gb))
+                bias_grad = gb
+            if p_bias is not None:
+                sq += 2.0 * (bias_grad @ p_bias)
+        if prox_sq is not None:
+            sq = (sq + prox_sq).clamp(min=0.0)  # ‖g_j + p‖² ≥ 0: no rounding below zero before the square root
         coef = fair_clip_coefficients(losses.detach(), sq.sqrt(), clip_norm, fair_lambda, global_loss)
         for m, first, second in parts:
             if isinstance(m, nn.Linear):
@@ -332,8 +348,16 @@ def _layerwise_clipped_sum(
                 sums[names[id(m.weight)]] += torch.tensordot(coef, first, dims=1).reshape(m.weight.shape)
                 if m.bias is not None:
                     sums[names[id(m.bias)]] += coef @ second
+        if prox is not None:
+            weight = coef.sum()
+            for k, p in prox.items():
+                sums[k] += weight * p
         loss_total += losses.detach().sum()
     return ClippedSum(sums, len(y), loss_total)
+
+
+def _squared_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.pow(2).sum() for t in tensors]).sum()
 
 
 def gaussian_like(tensors: dict[str, torch.Tensor], std: float, gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -273,6 +273,19 @@ def test_fedfdp_with_lambda_zero_is_dp_fedavg_bit_for_bit() -> None:
     assert not torch.equal(fair.final_params, avg.final_params)
 
 
+def test_dp_fedprox_with_one_local_step_is_dp_fedavg_bit_for_bit() -> None:
+    """One DP-SGD step from x_t: the proximal gradient μ(w − x_t) is 0, so DP-FedProx is DP-FedAvg exactly (the
+    layerwise clipping path takes the zero prox term without changing a bit); with two steps the term acts."""
+    prox = {"strategy.name": "fedprox", "strategy.params": {"mu": 0.5}}
+    one, _, _ = run_inprocess(experiment_from_dict(dp_config(**prox)))
+    avg, _, _ = run_inprocess(experiment_from_dict(dp_config(**{"strategy.name": "fedavg"})))
+    assert torch.equal(one.final_params, avg.final_params)
+    two_steps = {"training.local_steps": 2, "rounds": 2}
+    two, _, _ = run_inprocess(experiment_from_dict(dp_config(**prox, **two_steps)))
+    avg_two, _, _ = run_inprocess(experiment_from_dict(dp_config(**{"strategy.name": "fedavg"}, **two_steps)))
+    assert not torch.equal(two.final_params, avg_two.final_params)
+
+
 @pytest.mark.parametrize("strategy", ["fedprox", "qffl"])
 def test_dp_baselines_run(strategy: str) -> None:
     summary, rounds, privacy = run_inprocess(experiment_from_dict(dp_config(**{"strategy.name": strategy})))

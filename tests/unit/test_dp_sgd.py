@@ -135,15 +135,18 @@ def test_auto_method_choice() -> None:
     model = small_cnn()
     x, y = batch(5)
     prox = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="no prox term"):
-        dp_sgd.clipped_gradient_sum(model, x, y, C, prox=prox, method="layerwise")
     with pytest.raises(ValueError, match="unknown per-sample gradient method"):
         dp_sgd.clipped_gradient_sum(model, x, y, C, method="loop")
-    with_prox = dp_sgd.clipped_gradient_sum(model, x, y, C, prox=prox)  # auto: vmap
-    plain = dp_sgd.clipped_gradient_sum(model, x, y, C, method="vmap")
+    with_prox = dp_sgd.clipped_gradient_sum(model, x, y, C, prox=prox)  # auto: layerwise, a zero prox changes nothing
+    plain = dp_sgd.clipped_gradient_sum(model, x, y, C, method="layerwise")
     assert all(torch.equal(with_prox.sums[k], plain.sums[k]) for k in plain.sums)
-    unsupported = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(144, 8), torch.nn.LayerNorm(8))
+    unsupported = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(144, 10), torch.nn.LayerNorm(10))
     assert not dp_sgd.layerwise_supported(unsupported)
+    with pytest.raises(ValueError, match="all in Linear/Conv2d layers"):
+        dp_sgd.clipped_gradient_sum(unsupported, x, y, C, method="layerwise")
+    auto = dp_sgd.clipped_gradient_sum(unsupported, x, y, C)  # auto: vmap
+    vmap = dp_sgd.clipped_gradient_sum(unsupported, x, y, C, method="vmap")
+    assert all(torch.equal(auto.sums[k], vmap.sums[k]) for k in vmap.sums)
 
 
 def test_fair_coefficients_follow_eq15_with_the_guard() -> None:
@@ -156,15 +159,72 @@ def test_fair_coefficients_follow_eq15_with_the_guard() -> None:
     assert small_c[2] == pytest.approx(0.001 / (0.01 + 1e-6))  # C/‖g‖ binds
 
 
-def test_prox_term_is_added_before_clipping() -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_prox_term_is_added_before_clipping(method: str) -> None:
     model = small_cnn()
     x, y = batch(6)
     prox = {k: torch.full_like(p, 0.01) for k, p in model.named_parameters()}
     ref_grads, _ = loop_per_sample(model, x, y)
     shift = torch.cat([prox[k].reshape(-1) for k, _ in model.named_parameters()])
     expected = sum((g + shift) * min(1.0, C / (float((g + shift).norm()) + 1e-6)) for g in ref_grads)
-    got = dp_sgd.clipped_gradient_sum(model, x, y, C, prox=prox)
+    got = dp_sgd.clipped_gradient_sum(model, x, y, C, prox=prox, method=method)
     assert torch.allclose(flat(got.sums, model), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "shape"),
+    [
+        ("cnn", {"channels": (3, 4), "hidden": 16, "kernel_size": 3}, (1, 12, 12)),
+        ("mlp", {"hidden": (12, 7)}, (1, 12, 12)),
+        ("logreg", {}, (1, 12, 12)),
+    ],
+)
+def test_layerwise_prox_equals_the_per_sample_loop(name: str, kwargs: dict, shape: tuple[int, ...]) -> None:
+    """FedProx under DP on the layerwise path: the prox term μ(w − x_t) enters every sample's norm through
+    2⟨g_j, p⟩ + ‖p‖² and the clipped sum through (Σ_j c_j) p. A prox as large as the gradients, so it moves which
+    samples the clip binds, with fair coefficients on both sides of 1."""
+    torch.manual_seed(0)
+    model = build_model(name, shape, 10, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(29, *shape, generator=g), torch.randint(0, 10, (29,), generator=g)
+    ref_grads, ref_losses = loop_per_sample(model, x, y)
+    scale = float(torch.stack([gr.norm() for gr in ref_grads]).median()) / math.sqrt(ref_grads[0].numel())
+    prox = {k: scale * torch.randn(p.shape, generator=g) for k, p in model.named_parameters()}
+    shift = torch.cat([prox[k].reshape(-1) for k, _ in model.named_parameters()])
+    shifted = [gr + shift for gr in ref_grads]
+    clip = float(torch.stack([s.norm() for s in shifted]).median())
+    lam, global_loss = 0.8, float(np.mean(ref_losses))
+    expected = sum(
+        s * min(max(1 + lam * (loss - global_loss), 0.0), clip / (float(s.norm()) + 1e-6))
+        for s, loss in zip(shifted, ref_losses, strict=True)
+    )
+    for method in METHODS:
+        got = dp_sgd.clipped_gradient_sum(model, x, y, clip, lam, global_loss, prox=prox, chunk=8, method=method)
+        assert torch.allclose(flat(got.sums, model), expected, atol=2e-6), method
+
+
+def test_layerwise_prox_reaches_a_layer_that_did_not_run() -> None:
+    """A parameter whose layer is not on the forward path has g_j = 0 but p ≠ 0: it counts in ‖g_j + p‖ and its sum
+    is (Σ_j c_j) p, as with vmap."""
+
+    class Skips(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = torch.nn.Linear(144, 10)
+            self.unused = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x.flatten(1))
+
+    torch.manual_seed(0)
+    model = Skips()
+    x, y = batch(9)
+    prox = {k: torch.full_like(p, 0.05) for k, p in model.named_parameters()}
+    vmap = dp_sgd.clipped_gradient_sum(model, x, y, C, prox=prox, method="vmap")
+    layerwise = dp_sgd.clipped_gradient_sum(model, x, y, C, prox=prox, method="layerwise")
+    for k in vmap.sums:
+        assert torch.allclose(layerwise.sums[k], vmap.sums[k], atol=1e-6), k
+    assert float(layerwise.sums["unused.weight"].abs().min()) > 0
 
 
 def test_poisson_sampling_rate_and_determinism() -> None:
