@@ -54,16 +54,18 @@ def test_an_agent_getting_other_bytes_than_expected_fails_the_measurement_withou
 def test_a_round_is_each_clients_float32_update_or_one_double_double_partial_sum_an_agent() -> None:
     by_key = {t.key: round_shape(t, numel=1_000) for t in TRANSPORTS}
     assert by_key["grpc_mtls"] == by_key["grpc_plain"] == by_key["socket_mtls"] == (5, 4_000)  # 10 clients, 2 agents
-    assert by_key["grpc_mtls_partial"] == (1, 16_000)  # hi and lo, float64 each
+    assert by_key["grpc_mtls_partial"] == by_key["grpc_mtls_partial_tuned"] == (1, 16_000)  # hi and lo, float64 each
+    assert by_key["grpc_mtls_tuned"] == (5, 4_000)
 
 
 def test_the_conclusions_say_how_far_over_or_under_each_budget_the_transports_are() -> None:
     from bench_transport_floor import conclusions
 
-    notes = conclusions(
-        numel=1000, rounds=10, budgets={"cpu": 0.016, "time": 0.022}, totals={"grpc_mtls": 0.023, "socket_mtls": 0.014}
-    )
+    totals = {"grpc_mtls": 0.023, "grpc_plain": 0.010, "grpc_mtls_partial_tuned": 0.0175, "socket_mtls": 0.014}
+    notes = conclusions(numel=1000, rounds=10, budgets={"cpu": 0.016, "time": 0.022}, totals=totals)
     assert "7.0 ms over #21's CPU budget (16.0 ms)" in notes[1]
     assert "1.0 ms over the round-time target's bound (22.0 ms)" in notes[1]
-    assert "2.0 ms under the CPU budget (16.0 ms)" in notes[2]
-    assert "8.0 ms under the round-time bound (22.0 ms)" in notes[2]
+    # the cheapest with mutual TLS, not plaintext's
+    assert "(grpc_mtls_partial_tuned), takes 17.5 ms: 1.5 ms over #21's CPU budget (16.0 ms)" in notes[2]
+    assert "2.0 ms under the CPU budget (16.0 ms)" in notes[3]
+    assert "8.0 ms under the round-time bound (22.0 ms)" in notes[3]
