@@ -111,59 +111,51 @@ TRANSPORTS = [
 
 
 def serve_grpc(model: bytes, security: TransportSecurity | None, port_file: Path, tuned: bool) -> None:
-    if tuned:
-        asyncio.run(serve_grpc_aio(model, security, port_file))
-        return
+    """Fetch returns the model, Upload the byte count it received. Tuned: a grpc.aio server, whose handlers run on its
+    event loop with no thread-pool hand-off per call, and TUNED_OPTIONS."""
 
-    def fetch(_request: bytes, _context: grpc.ServicerContext) -> bytes:
+    def fetch(_request: bytes, _context: Any) -> bytes:
         return model
 
-    def upload(request: bytes, _context: grpc.ServicerContext) -> bytes:
+    def upload(request: bytes, _context: Any) -> bytes:
         received = np.frombuffer(request, dtype=np.uint8)  # what a receiver does first: view the bytes, no copy
         return COUNT.pack(received.nbytes)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+    if not tuned:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+        port = _serve_raw_bytes(server, security, fetch, upload)
+        server.start()
+        _announce(port_file, port)
+        server.wait_for_termination()
+        return
+
+    async def serve() -> None:
+        async def fetch_async(request: bytes, context: Any) -> bytes:
+            return fetch(request, context)
+
+        async def upload_async(request: bytes, context: Any) -> bytes:
+            return upload(request, context)
+
+        server = grpc.aio.server(options=[*SERVER_OPTIONS, *TUNED_OPTIONS])
+        port = _serve_raw_bytes(server, security, fetch_async, upload_async)
+        await server.start()
+        _announce(port_file, port)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _serve_raw_bytes(server: Any, security: TransportSecurity | None, fetch: Any, upload: Any) -> int:
+    """Register Fetch and Upload on a loopback port of `server` (sync or aio) and return the port."""
     handlers = {
         "Fetch": grpc.unary_unary_rpc_method_handler(fetch),  # no (de)serializers: raw bytes in and out
         "Upload": grpc.unary_unary_rpc_method_handler(upload),
     }
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
     address = "127.0.0.1:0"
-    port = (
-        server.add_secure_port(address, security.server_credentials())
-        if security
-        else server.add_insecure_port(address)
-    )
-    server.start()
-    _announce(port_file, port)
-    server.wait_for_termination()
-
-
-async def serve_grpc_aio(model: bytes, security: TransportSecurity | None, port_file: Path) -> None:
-    """serve_grpc's service on a grpc.aio server: the handlers run on its event loop, no thread-pool hand-off."""
-
-    async def fetch(_request: bytes, _context: grpc.aio.ServicerContext) -> bytes:
-        return model
-
-    async def upload(request: bytes, _context: grpc.aio.ServicerContext) -> bytes:
-        received = np.frombuffer(request, dtype=np.uint8)
-        return COUNT.pack(received.nbytes)
-
-    server = grpc.aio.server(options=[*SERVER_OPTIONS, *TUNED_OPTIONS])
-    handlers = {
-        "Fetch": grpc.unary_unary_rpc_method_handler(fetch),
-        "Upload": grpc.unary_unary_rpc_method_handler(upload),
-    }
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
-    address = "127.0.0.1:0"
-    port = (
-        server.add_secure_port(address, security.server_credentials())
-        if security
-        else server.add_insecure_port(address)
-    )
-    await server.start()
-    _announce(port_file, port)
-    await server.wait_for_termination()
+    if security:
+        return int(server.add_secure_port(address, security.server_credentials()))
+    return int(server.add_insecure_port(address))
 
 
 def _announce(port_file: Path, port: int) -> None:
