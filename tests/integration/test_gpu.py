@@ -96,13 +96,16 @@ def test_cuda_signatures_alignment_probe_and_evaluation_match_cpu(
     assert abs(cuda.test_accuracy - cpu.test_accuracy) <= 100.0 / cuda.num_samples  # at most one argmax tie flips
 
 
-def test_cuda_dp_training_matches_cpu(setup: tuple[ExperimentConfig, FederatedData, torch.Tensor]) -> None:
+@pytest.mark.parametrize("prox_mu", [0.0, 0.5], ids=["dp-sgd", "dp-fedprox"])
+def test_cuda_dp_training_matches_cpu(
+    setup: tuple[ExperimentConfig, FederatedData, torch.Tensor], prox_mu: float
+) -> None:
     # The noise is drawn on the CPU generator (task randomness), so both devices add the same noise to sums that
-    # differ only by float rounding.
+    # differ only by float rounding. With prox_mu the layerwise clipping takes the proximal term (4 steps: it acts).
     dp = federation_pb2.DpSgd(
         sample_rate=0.3, noise_multiplier=1.0, clip_norm=1.0, fair_lambda=0.1, loss_noise_multiplier=2.0, loss_clip=2.0
     )
-    cpu, cuda = both(setup, task(1, local_steps=4, batch_size=16, lr=0.05, dp=dp))
+    cpu, cuda = both(setup, task(1, local_steps=4, batch_size=16, lr=0.05, dp=dp, prox_mu=prox_mu))
     torch.testing.assert_close(cuda.payloads[UPDATE], cpu.payloads[UPDATE], rtol=1e-4, atol=1e-5)
     assert cuda.noisy_loss == pytest.approx(cpu.noisy_loss, rel=1e-5)
 
