@@ -31,7 +31,13 @@ from aggregator_service.blobs import BlobStore
 from aggregator_service.engine import ClientTransport, PhaseOutcome, ResultSink
 from client_agent.trainer import ClientRuntime, LocalData, resolve_device
 from fairfl.codec import CodecError
-from fairfl.compose.worker_processes import WorkerProcess, WorkerRefused, WorkerSkipped, fork_available
+from fairfl.compose.worker_processes import (
+    WorkerProcess,
+    WorkerRefused,
+    WorkerSkipped,
+    autograd_survives_fork,
+    fork_available,
+)
 from fairfl.config import ConfigError, ExperimentConfig
 from fairfl.cores import usable_cores
 from fairfl.data import load_run_data
@@ -52,24 +58,33 @@ _Done = tuple[ClientResult | None, bool]
 def pool_kind(requested: Pool, workers: int, device: torch.device, threads: int) -> Literal["threads", "processes"]:
     """`requested`, or for "auto" processes where they help and are safe: more than one worker, on the CPU, one torch
     thread each (a process forked after OpenMP ran on several threads can hang in its first parallel kernel), on
-    Linux (fork). One worker runs tasks on the calling thread either way."""
+    Linux (fork), and no autograd threads in this process that a forked child's backward would trip on (a CUDA
+    machine after a backward here: autograd_survives_fork). One worker runs tasks on the calling thread either way."""
     if requested == "processes":
-        problem = (
-            "the OS cannot fork safely (Linux only)"
-            if not fork_available()
-            else f"device {device.type} (worker processes train on the CPU)"
-            if device.type != "cpu"
-            else f"runtime.threads_per_agent {threads} (worker processes train on one torch thread each)"
-            if threads != 1
-            else ""
-        )
+        problem = _processes_problem(device, threads)
         if problem:
             raise ConfigError(f"runtime.inprocess_pool: processes cannot be used here: {problem}; use threads or auto")
     if workers <= 1:
         return "threads"
     if requested != "auto":
         return requested
-    return "processes" if device.type == "cpu" and threads == 1 and fork_available() else "threads"
+    return "threads" if _processes_problem(device, threads) else "processes"
+
+
+def _processes_problem(device: torch.device, threads: int) -> str:
+    """Why worker processes cannot train this run here, or "" when they can (the fork probe last: it costs a fork)."""
+    if not fork_available():
+        return "the OS cannot fork safely (Linux only)"
+    if device.type != "cpu":
+        return f"device {device.type} (worker processes train on the CPU)"
+    if threads != 1:
+        return f"runtime.threads_per_agent {threads} (worker processes train on one torch thread each)"
+    if not autograd_survives_fork():
+        return (
+            "this process ran a backward pass with an accelerator visible, and PyTorch's autograd fails in processes "
+            "forked after that (start the run from a fresh process to use them)"
+        )
+    return ""
 
 
 def worker_count(requested: Workers, threads: int, num_clients: int, device: torch.device) -> int:

@@ -107,6 +107,39 @@ def fork_available() -> bool:
     return sys.platform.startswith("linux")
 
 
+_autograd_fork_broken = False  # once a forked child cannot run autograd, no later one can
+
+
+def autograd_survives_fork() -> bool:
+    """Whether a process forked now can run a backward pass. With an accelerator visible (a CUDA machine), PyTorch's
+    autograd engine starts device threads at this process's first backward, and from then on a forked child's
+    backward raises "Unable to handle autograd's threading in combination with fork-based multiprocessing", even on
+    the CPU. Without one the engine starts no threads and a fork is always fine; with one, a child is forked to try."""
+    global _autograd_fork_broken
+    if _autograd_fork_broken:
+        return False
+    if not torch.accelerator.is_available():
+        return True
+    _autograd_fork_broken = not _forked_child_runs_autograd()
+    return not _autograd_fork_broken
+
+
+def _forked_child_runs_autograd() -> bool:
+    for stream in (sys.stdout, sys.stderr):  # else the child would flush our buffered output a second time
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: one backward on the CPU, then leave without running the parent's exit handlers
+        code = 1
+        try:
+            x = torch.ones(1, requires_grad=True)
+            (x * 2.0).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 class WorkerRefused(Exception):
     """A result the wire would not carry (a float16 overflow when encoding, or a malformed one when decoding): the
     transport counts it as rejected, as an aggregator would."""

@@ -10,12 +10,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from aggregator_service.engine import initial_model
+from aggregator_service.engine import RoundEngine, initial_model
 from client_agent.trainer import ClientRuntime, resolve_device
-from fairfl.config import ExperimentConfig, experiment_from_dict
+from fairfl.compose import inprocess, worker_processes
+from fairfl.compose.local_privacy import LocalPrivacy
+from fairfl.compose.local_selection import LocalSelector
+from fairfl.config import ConfigError, ExperimentConfig, experiment_from_dict
 from fairfl.data import FederatedData, load_run_data
 from fairfl.protocol import FIRST_STEP_UPDATE, GRADIENT, UPDATE, ClientResult
-from fairfl.v1 import federation_pb2, tensor_pb2
+from fairfl.v1 import control_pb2, federation_pb2, tensor_pb2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -149,3 +152,29 @@ def test_cuda_training_does_not_wait_for_the_device_every_step(
     # 28 more steps, not one more wait for the device. (Fewer can happen: seen on an H200, 6 against 7, when the short
     # task's allocations were the first of their sizes.)
     assert long <= short, f"{long} syncs for 30 steps against {short} for 2"
+
+
+def test_after_a_cuda_backward_a_cpu_inprocess_run_trains_on_threads_instead_of_forked_processes() -> None:
+    """A backward pass with CUDA visible starts autograd's device threads, after which a forked child's backward
+    raises. The in-process transport's `auto` pool sees it and trains on threads; asking for processes is refused
+    with the reason instead of failing inside the workers."""
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    (x * x).sum().backward()
+    assert not worker_processes._forked_child_runs_autograd()  # PyTorch's behaviour, the reason for the check
+    assert not worker_processes.autograd_survives_fork()
+    cpu = torch.device("cpu")
+    assert inprocess.pool_kind("auto", 2, cpu, 1) == "threads"
+    with pytest.raises(ConfigError, match="ran a backward pass with an accelerator visible"):
+        inprocess.pool_kind("processes", 2, cpu, 1)
+    config = experiment_from_dict(
+        {
+            "rounds": 2,
+            "data": {"dataset": "synthetic", "num_clients": 4},
+            "model": {"params": {"hidden": [16]}},
+            "selection": {"clients_per_round": 4},
+        }
+    )
+    engine = RoundEngine(
+        "r", config, inprocess.InProcessTransport(workers=2), LocalSelector("random"), LocalPrivacy(), lambda _: None
+    )
+    assert engine.run().state == control_pb2.RUN_STATE_COMPLETED

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from aggregator_service.engine import RoundEngine, initial_model, task_seed
-from fairfl.compose import inprocess
+from fairfl.compose import inprocess, worker_processes
 from fairfl.compose.compare import runner
 from fairfl.compose.compare.runner import RunningChildren
 from fairfl.compose.compare.spec import ComparisonSpec, RunSpec
@@ -37,6 +37,15 @@ from fairfl.protocol import UPDATE, ClientResult
 from fairfl.v1 import control_pb2, federation_pb2
 
 NUM_CLIENTS = 8
+
+
+@pytest.fixture(autouse=True)
+def _forked_workers_can_train() -> None:
+    """Worker processes are forked from this pytest process. On a machine with CUDA, once any earlier test has run a
+    backward pass, PyTorch's autograd fails in every child forked after it (pool_kind then refuses processes), so
+    these tests need a fresh process there: `pytest tests/integration/test_inprocess_pool.py` alone."""
+    if not worker_processes.autograd_survives_fork():
+        pytest.skip("a backward pass ran in this process with CUDA visible: forked workers cannot train here")
 
 
 def _config(rounds: int = 3, **sections: Any) -> ExperimentConfig:
@@ -422,10 +431,26 @@ def test_the_pool_kind(monkeypatch: pytest.MonkeyPatch) -> None:
         kind("processes", 2, cpu, 2)
     with pytest.raises(ConfigError, match=r"runtime\.inprocess_pool: .*device cuda"):
         kind("processes", 2, gpu, 1)
+    # A CUDA machine after a backward pass in this process: a forked child's backward would raise.
+    monkeypatch.setattr(inprocess, "autograd_survives_fork", lambda: False)
+    assert kind("auto", 2, cpu, 1) == "threads"
+    assert kind("auto", 1, cpu, 1) == "threads"
+    with pytest.raises(ConfigError, match=r"runtime\.inprocess_pool: .*ran a backward pass with an accelerator"):
+        kind("processes", 2, cpu, 1)
     monkeypatch.setattr(inprocess, "fork_available", lambda: False)  # macOS and Windows: no safe fork
     assert kind("auto", 4, cpu, 1) == "threads"
     with pytest.raises(ConfigError, match=r"runtime\.inprocess_pool: processes cannot be used here: the OS cannot"):
         kind("processes", 4, cpu, 1)
+
+
+def test_a_forked_child_runs_autograd_after_a_backward_here_without_an_accelerator() -> None:
+    """The probe itself, for real: this process has run a backward, and a child forked now runs one too (no
+    accelerator: autograd started no device threads). tests/integration/test_gpu.py checks the CUDA case."""
+    x = torch.ones(3, requires_grad=True)
+    (x * x).sum().backward()
+    assert worker_processes._forked_child_runs_autograd()
+    if not torch.accelerator.is_available():
+        assert worker_processes.autograd_survives_fork()
 
 
 def test_inprocess_pool_is_validated_at_load() -> None:
