@@ -157,15 +157,6 @@ def poisson_sample(n: int, rate: float, gen: torch.Generator) -> torch.Tensor:
     return torch.nonzero(torch.rand(n, generator=gen, dtype=torch.float64) < rate).reshape(-1)
 
 
-def normalizer(dp: federation_pb2.DpSgd, n: int, realized: int) -> float:
-    """The divisor b of a noisy sum (seed-fedfdp §9.6)."""
-    if dp.grad_normalizer == federation_pb2.GRAD_NORMALIZER_REALIZED:
-        return float(max(realized, 1))
-    if dp.grad_normalizer == federation_pb2.GRAD_NORMALIZER_FIXED:
-        return float(max(dp.fixed_batch, 1))
-    return dp.sample_rate * n
-
-
 def fair_clip_coefficients(
     losses: torch.Tensor, norms: torch.Tensor, clip_norm: float, fair_lambda: float, global_loss: float
 ) -> torch.Tensor:

@@ -24,7 +24,7 @@ from client_agent import dp_sgd
 from client_agent.rows import row_chunks
 from fairfl.models import model_head
 from fairfl.params import ParamLayout, flatten_on_device, to_device, to_host
-from fairfl.privacy import dp_seed
+from fairfl.privacy import dp_seed, noise_divisor
 from fairfl.procedure import LocalProcedure, LocalState
 from fairfl.protocol import FIRST_STEP_UPDATE, ClientResult
 from fairfl.v1 import federation_pb2, tensor_pb2
@@ -261,7 +261,7 @@ class DpSgd(LoopOwner):
             state.model, state.inputs, state.targets, dp.clip_norm, dp.fair_lambda, self.global_loss, prox
         )
         noise = dp_sgd.gaussian_like(clipped.sums, dp.noise_multiplier * dp.clip_norm, self.noise_gen)
-        divisor = dp_sgd.normalizer(dp, len(state.y_train), clipped.batch)
+        divisor = noise_divisor(dp, len(state.y_train), clipped.batch)
         for k, p in self.named.items():  # every parameter's gradient replaced: nothing to zero first
             p.grad = (clipped.sums[k] + noise[k]) / divisor
         return clipped.loss_total, clipped.batch
@@ -284,7 +284,7 @@ class DpSgd(LoopOwner):
             state.y_train[idx],
             clip,
             dp.loss_noise_multiplier,
-            dp_sgd.normalizer(dp, n, len(idx)),
+            noise_divisor(dp, n, len(idx)),
             self.loss_noise_gen,
         )
         result.metrics["loss_clip"] = clip  # public: the bound the server sent (or the public floor)

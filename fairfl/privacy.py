@@ -14,10 +14,13 @@ values outside it at load and the privacy service refuses them in every request 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 
 import numpy as np
+
+from fairfl.v1 import federation_pb2
 
 # --- the accountant's sound range (measurements: docs/security.md, "The privacy ledger's sound range") -------------
 # Below σ = 0.3 PLD costs 0.65 s (σ = 0.3), 2.6 s (0.1), 164 s (0.01) per Gaussian step and fails with MemoryError
@@ -104,3 +107,46 @@ class Event:
     @property
     def key(self) -> tuple[str, str]:
         return (self.principal, self.mechanism)
+
+
+# --- DP-SGD's noise in a client's update --------------------------------------------------------------------------
+
+
+def noise_divisor(dp: federation_pb2.DpSgd, n: int, realized: int) -> float:
+    """The divisor b of a DP-SGD step's noisy sum (seed-fedfdp §9.6): the expected batch q·n by default, the batch's
+    realized size, or a fixed one."""
+    if dp.grad_normalizer == federation_pb2.GRAD_NORMALIZER_REALIZED:
+        return float(max(realized, 1))
+    if dp.grad_normalizer == federation_pb2.GRAD_NORMALIZER_FIXED:
+        return float(max(dp.fixed_batch, 1))
+    return dp.sample_rate * n
+
+
+def update_noise_energy(train: federation_pb2.LocalTrainingConfig, n: int, dim: int) -> float:
+    """E‖ν‖², ν the part of a client's update x_k − x_t that is DP-SGD's Gaussian noise: each of the K = local_steps
+    steps adds N(0, (σC/b)² I) to the gradient, and SGD (momentum β, weight decay wd, lr η: linear in the gradient)
+    carries a unit added at step s into the final parameters with a gain a_s, so E‖ν‖² = d (σC/b)² Σ_s a_s².
+    Plain SGD: a_s = −η, E‖ν‖² = K d (ησC/b)². Public values only (n is the client's reported size; b for a realized
+    batch is taken at its expectation q·n), so subtracting it from a released update's norm is post-processing.
+    Adam rescales the noise per coordinate by the gradient's history: no such formula (callers refuse it)."""
+    dp = train.dp
+    if train.optimizer == federation_pb2.OPTIMIZER_ADAM:
+        raise ValueError("the noise energy of a DP-SGD update is defined for SGD, not Adam")
+    fixed = dp.grad_normalizer == federation_pb2.GRAD_NORMALIZER_FIXED
+    divisor = float(max(dp.fixed_batch, 1)) if fixed else dp.sample_rate * n
+    gain = _sgd_noise_gain(train.local_steps, train.lr, train.momentum, train.weight_decay)
+    return dim * (dp.noise_multiplier * dp.clip_norm / divisor) ** 2 * gain
+
+
+@functools.lru_cache(maxsize=64)  # one round's clients share their training settings
+def _sgd_noise_gain(steps: int, lr: float, beta: float, decay: float) -> float:
+    """Σ_s a_s² for K SGD steps: the K responses of the final parameters to a unit gradient at each step, all at once
+    (torch.optim.SGD's recurrence: buf = g at the first step, β·buf + g after; g includes wd·p; p −= η·buf)."""
+    position = np.zeros(steps)  # entry s: the response to a unit gradient added at step s
+    velocity = np.zeros(steps)
+    for t in range(steps):
+        grad = decay * position
+        grad[t] += 1.0
+        velocity = grad if t == 0 or beta == 0 else beta * velocity + grad
+        position = position - lr * velocity
+    return float(np.dot(position, position))

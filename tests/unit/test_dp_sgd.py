@@ -19,6 +19,7 @@ from fairfl.data.datasets import ArrayDataset
 from fairfl.data.federated import FederatedData
 from fairfl.models import build_model
 from fairfl.params import flatten_parameters
+from fairfl.privacy import noise_divisor, update_noise_energy
 from fairfl.protocol import TRAIN, UPDATE, check_against_task
 from fairfl.v1 import federation_pb2
 
@@ -239,11 +240,11 @@ def test_poisson_sampling_rate_and_determinism() -> None:
 
 def test_normalizers() -> None:
     dp = federation_pb2.DpSgd(sample_rate=0.05, fixed_batch=64)
-    assert dp_sgd.normalizer(dp, 1000, 37) == pytest.approx(50.0)
+    assert noise_divisor(dp, 1000, 37) == pytest.approx(50.0)
     dp.grad_normalizer = federation_pb2.GRAD_NORMALIZER_REALIZED
-    assert dp_sgd.normalizer(dp, 1000, 37) == 37.0 and dp_sgd.normalizer(dp, 1000, 0) == 1.0
+    assert noise_divisor(dp, 1000, 37) == 37.0 and noise_divisor(dp, 1000, 0) == 1.0
     dp.grad_normalizer = federation_pb2.GRAD_NORMALIZER_FIXED
-    assert dp_sgd.normalizer(dp, 1000, 37) == 64.0
+    assert noise_divisor(dp, 1000, 37) == 64.0
 
 
 # --- noise: the statistical checks -----------------------------------------------------------------------------------
@@ -299,6 +300,41 @@ def test_noise_scale_on_a_zero_gradient_model() -> None:
     assert np.std(update) == pytest.approx(std, rel=0.05)  # std of the estimate ≈ 1/√(2·size) ≈ 1.5%
     assert abs(np.mean(update)) < 5 * std / math.sqrt(update.size)
     assert stats.kstest(update / std, "norm").pvalue > 1e-3
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_update_noise_energy_is_what_the_trainer_adds(momentum: float) -> None:
+    """The zero-gradient model above, with SGD momentum: the update is DP noise alone, and ‖update‖² must match
+    fairfl.privacy.update_noise_energy, the public expectation DP-q-FFL subtracts (K = 3 steps; relative std of the
+    squared norm of d ≈ 4,000 Gaussians ≈ √(2/d) ≈ 2%)."""
+    runtime = synthetic_runtime()
+    task = dp_task(steps=3, noise_multiplier=2.0)
+    task.train.momentum = momentum
+    task.train.dp.fair_lambda = 1.0
+    task.train.fair_step.global_loss = 1e6
+    task.train.fair_step.fair_lambda = 1.0
+    update = runtime.run(task).payloads[UPDATE].double()
+    expected = update_noise_energy(task.train, 400, update.numel())
+    assert float(update @ update) == pytest.approx(expected, rel=0.08)
+    # by hand, η = 1, b = q·n = 40: plain SGD Σ_s a_s² = K = 3; momentum 0.9 carries step 0's noise into all three
+    # updates (gain 1 + 0.9 + 0.81 = 2.71), step 1's into two (1.9), step 2's into one: 2.71² + 1.9² + 1 = 11.9541
+    per_coordinate = (2.0 * C / 40) ** 2
+    gain = 11.9541 if momentum else 3.0
+    assert expected == pytest.approx(update.numel() * per_coordinate * gain, rel=1e-12)
+
+
+def test_update_noise_energy_with_weight_decay_and_refusing_adam() -> None:
+    # K = 2, η = 0.5, wd = 0.2: step 0's unit moves p by −η, then decay pulls back η·wd·η: a_0 = −η(1 − η wd), a_1 = −η
+    train = federation_pb2.LocalTrainingConfig(local_steps=2, lr=0.5, weight_decay=0.2)
+    train.dp.CopyFrom(federation_pb2.DpSgd(sample_rate=0.1, noise_multiplier=1.0, clip_norm=1.0))
+    gain = 0.25 * ((1 - 0.5 * 0.2) ** 2 + 1)
+    assert update_noise_energy(train, 100, 10) == pytest.approx(10 * (1.0 / 10) ** 2 * gain, rel=1e-12)
+    train.dp.grad_normalizer = federation_pb2.GRAD_NORMALIZER_FIXED
+    train.dp.fixed_batch = 20
+    assert update_noise_energy(train, 100, 10) == pytest.approx(10 * (1.0 / 20) ** 2 * gain, rel=1e-12)
+    train.optimizer = federation_pb2.OPTIMIZER_ADAM
+    with pytest.raises(ValueError, match="SGD, not Adam"):
+        update_noise_energy(train, 100, 10)
 
 
 def test_noisy_loss_noise_scale() -> None:

@@ -222,6 +222,44 @@ def test_qffl_two_clients_closed_form() -> None:
     assert out.weights == pytest.approx({0: 10 / sum_h, 1: 20 / sum_h})
 
 
+def test_dp_qffl_takes_the_dp_noise_energy_out_of_h() -> None:
+    """DP-q-FFL: each update is a signal plus DP-SGD noise of a public expected energy d (ησC/(q n_k))² (K = 1, plain
+    SGD). Without the correction h_k counts the noise and the step shrinks to ΣF/(ΣF + Σ noise); with it, h_k sees
+    the signal's ‖Δ_k‖² (here exactly 0, so the step is L ΣF / L ΣF = 1). noisy_loss is F̃_k."""
+    dim, lr, n = 4000, 1.0, (200, 800)
+    dp = federation_pb2.DpSgd(sample_rate=0.05, noise_multiplier=2.0, clip_norm=0.1, loss_noise_multiplier=5.0)
+    cfg = federation_pb2.LocalTrainingConfig(local_steps=1, lr=lr, dp=dp)
+    ctx = RoundContext("r", 1, torch.zeros(dim), [0, 1], cfg, lambda _: tensor_pb2.BlobRef())
+    energies = [dim * (lr * 2.0 * 0.1 / (0.05 * k)) ** 2 for k in n]  # 4.0 and 0.25
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for cid, (k, energy) in enumerate(zip(n, energies, strict=True)):
+        noise = torch.randn(dim, generator=gen)
+        r = result(cid, (noise * math.sqrt(energy) / noise.norm()).tolist(), loss_before=9.0, n=k)
+        r.noisy_loss = 1.0 + cid  # F̃: the DP release q-FFL weighs by under DP
+        results.append(r)
+    corrected = aggregate(strategy("qffl", q=1.0), ctx, results)
+    raw = aggregate(strategy("qffl", q=1.0, dp_noise_correction=False), ctx, results)
+    assert corrected.metrics["step_scale"] == pytest.approx(1.0, rel=1e-5)  # h = L F̃: no curvature left
+    assert corrected.weights == pytest.approx({0: 1 / 3, 1: 2 / 3}, rel=1e-5)  # L F̃_k / Σ L F̃_j
+    sum_f = 1.0 + 2.0
+    assert raw.metrics["step_scale"] == pytest.approx(sum_f / (sum_f + sum(energies)), rel=1e-5)  # = 3 / 7.25
+
+
+def test_dp_qffl_noise_correction_needs_sgd() -> None:
+    base = {
+        "data": {"dataset": "synthetic", "num_clients": 4},
+        "strategy": {"name": "qffl"},
+        "selection": {"clients_per_round": 4},
+        "training": {"local_steps": 1, "optimizer": "adam", "lr": 0.01},
+        "privacy": {"enabled": True, "epsilon": 8.0, "sample_rate": 0.1, "noise_multiplier": 1.5, "clip_norm": 1.0},
+    }
+    with pytest.raises(ConfigError, match=r"strategy\.params\.dp_noise_correction: .*training\.optimizer adam"):
+        experiment_from_dict(base)
+    base["strategy"]["params"] = {"dp_noise_correction": False}
+    assert experiment_from_dict(base).strategy.name == "qffl"
+
+
 def test_qffl_q0_is_uniform_average() -> None:
     out = aggregate(strategy("qffl", q=0.0), context(X0, [0, 1, 2]), THREE)
     want = torch.tensor(X0, dtype=torch.float64) + stack(THREE).mean(0)
