@@ -76,9 +76,10 @@ BENCHMARKS = [
         "1c. The transport's own floor",
         "The CPU that only moving the all-participating preset's bytes costs (each of 2 agent processes fetching the "
         "0.8 MB model and sending 5 updates of 0.8 MB a round), on bare transports with no FairFL code in the path: "
-        "gRPC with and without mutual TLS, gRPC carrying one partial sum per agent, and a TLS socket receiving into a "
-        "preallocated buffer; against #21's budget for everything but training (0.15x the one-thread plain loop's "
-        "CPU) and against the cipher alone.",
+        "gRPC with and without mutual TLS, gRPC carrying one partial sum per agent, both gRPC shapes again with a "
+        "grpc.aio server and 1 MiB TCP read chunks, and a TLS socket receiving into a preallocated buffer; against "
+        "#21's budget for everything but training (0.15x the one-thread plain loop's CPU) and against the cipher "
+        "alone.",
         acceptance_note="#21's gRPC rows against what the transport alone costs: section 1c measures the CPU that "
         "only moving a round's bytes takes over gRPC with mutual TLS, with no FairFL code in the path, against the "
         "same budget.",
