@@ -270,8 +270,13 @@ def _layerwise_clipped_sum(
     layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
     names = {id(p): k for k, p in model.named_parameters()}
     sums = {k: torch.zeros_like(p.detach()) for k, p in model.named_parameters()}
+    if prox is not None and not any(bool(p.any()) for p in prox.values()):
+        prox = None  # a zero prox term (the first step from x_t) is no prox term, to the last bit
+    # With a prox term, ‖g_j + p‖² = ‖g_j‖² + 2⟨g_j, p⟩ + ‖p‖² cancels when p is near −g_j: its terms are summed in
+    # float64, so the per-sample norm, and with it the bound ‖c_j (g_j + p)‖ ≤ C, keeps float32's relative precision.
+    acc = torch.float64 if prox is not None else torch.float32
     # ‖p‖² over every parameter, a layer that did not run included (its g_j is 0, its p_j is not)
-    prox_sq = _squared_norm(prox.values()) if prox is not None else None
+    prox_sq = _squared_norm(p.to(acc) for p in prox.values()) if prox is not None else None
     loss_total = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, len(y), chunk):
         xb, yb = x[start : start + chunk], y[start : start + chunk]
@@ -297,39 +302,41 @@ def _layerwise_clipped_sum(
         # δ = ∂(Σ_j ℓ_j)/∂(layer output): row j depends on sample j only, so it is sample j's output gradient.
         deltas = torch.autograd.grad(losses.sum(), [captured[m][1] for m in used])
         b = len(yb)
-        sq = torch.zeros(b, dtype=torch.float32, device=losses.device)
+        sq = torch.zeros(b, dtype=acc, device=losses.device)
         parts = []
         for m, delta in zip(used, deltas, strict=True):
             a = captured[m][0]
-            p_weight = prox[names[id(m.weight)]] if prox is not None else None
-            p_bias = prox[names[id(m.bias)]] if prox is not None and m.bias is not None else None
+            p_weight = prox[names[id(m.weight)]].to(acc) if prox is not None else None
+            p_bias = prox[names[id(m.bias)]].to(acc) if prox is not None and m.bias is not None else None
             if isinstance(m, nn.Linear):
                 if a.dim() != 2:
                     raise ValueError("layerwise clipping supports Linear layers on (batch, features) inputs only")
                 d = delta.detach()
-                dn = d.pow(2).sum(1)
-                sq += a.pow(2).sum(1) * dn + (dn if m.bias is not None else 0.0)
+                a_acc, d_acc = a.to(acc), d.to(acc)  # the same tensors without a prox term
+                dn = d_acc.pow(2).sum(1)
+                sq += a_acc.pow(2).sum(1) * dn + (dn if m.bias is not None else 0.0)
                 if p_weight is not None:  # ⟨δ_j a_jᵀ, P⟩ = (δ_j P)·a_j, without forming δ_j a_jᵀ
-                    sq += 2.0 * ((d @ p_weight) * a).sum(1)
+                    sq += 2.0 * ((d_acc @ p_weight) * a_acc).sum(1)
                 parts.append((m, a, d))
-                bias_grad = d
+                bias_grad = d_acc
             else:
                 u = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
                 d = delta.detach().reshape(b, delta.shape[1], -1)
                 g = torch.bmm(d, u.transpose(1, 2))  # per-sample weight gradients, (b, C_out, C_in·kh·kw)
                 gb = d.sum(2)
-                sq += torch.linalg.vector_norm(g.reshape(b, -1), dim=1).pow(2)
+                g_acc, bias_grad = g.reshape(b, -1).to(acc), gb.to(acc)
+                sq += torch.linalg.vector_norm(g_acc, dim=1).pow(2)
                 if m.bias is not None:
-                    sq += gb.pow(2).sum(1)
+                    sq += bias_grad.pow(2).sum(1)
                 if p_weight is not None:
-                    sq += 2.0 * (g.reshape(b, -1) @ p_weight.reshape(-1))
+                    sq += 2.0 * (g_acc @ p_weight.reshape(-1))
                 parts.append((m, g, gb))
-                bias_grad = gb
             if p_bias is not None:
                 sq += 2.0 * (bias_grad @ p_bias)
         if prox_sq is not None:
             sq = (sq + prox_sq).clamp(min=0.0)  # ‖g_j + p‖² ≥ 0: no rounding below zero before the square root
-        coef = fair_clip_coefficients(losses.detach(), sq.sqrt(), clip_norm, fair_lambda, global_loss)
+        norms = sq.sqrt().to(torch.float32)
+        coef = fair_clip_coefficients(losses.detach(), norms, clip_norm, fair_lambda, global_loss)
         for m, first, second in parts:
             if isinstance(m, nn.Linear):
                 sums[names[id(m.weight)]] += (second * coef[:, None]).t() @ first

@@ -112,7 +112,7 @@ class Event:
 # --- DP-SGD's noise in a client's update --------------------------------------------------------------------------
 
 
-def noise_divisor(dp: federation_pb2.DpSgd, n: int, realized: int) -> float:
+def noise_divisor(dp: federation_pb2.DpSgd, n: int, realized: float) -> float:
     """The divisor b of a DP-SGD step's noisy sum (seed-fedfdp §9.6): the expected batch q·n by default, the batch's
     realized size, or a fixed one."""
     if dp.grad_normalizer == federation_pb2.GRAD_NORMALIZER_REALIZED:
@@ -126,14 +126,15 @@ def update_noise_energy(train: federation_pb2.LocalTrainingConfig, n: int, dim: 
     """E‖ν‖², ν the part of a client's update x_k − x_t that is DP-SGD's Gaussian noise: each of the K = local_steps
     steps adds N(0, (σC/b)² I) to the gradient, and SGD (momentum β, weight decay wd, lr η: linear in the gradient)
     carries a unit added at step s into the final parameters with a gain a_s, so E‖ν‖² = d (σC/b)² Σ_s a_s².
-    Plain SGD: a_s = −η, E‖ν‖² = K d (ησC/b)². Public values only (n is the client's reported size; b for a realized
-    batch is taken at its expectation q·n), so subtracting it from a released update's norm is post-processing.
-    Adam rescales the noise per coordinate by the gradient's history: no such formula (callers refuse it)."""
+    Plain SGD: a_s = −η, E‖ν‖² = K d (ησC/b)². Public values only (n is the client's reported size; a realized
+    batch's b is taken at its expectation q·n, which understates E[1/b²] for small batches), so subtracting it from a
+    released update's norm is post-processing. Not modelled: a FedProx term's pull on the noise (it passes through
+    the clipping coefficients). Adam rescales the noise per coordinate by the gradient's history: no such formula
+    (callers refuse it)."""
     dp = train.dp
     if train.optimizer == federation_pb2.OPTIMIZER_ADAM:
         raise ValueError("the noise energy of a DP-SGD update is defined for SGD, not Adam")
-    fixed = dp.grad_normalizer == federation_pb2.GRAD_NORMALIZER_FIXED
-    divisor = float(max(dp.fixed_batch, 1)) if fixed else dp.sample_rate * n
+    divisor = noise_divisor(dp, n, realized=dp.sample_rate * n)
     gain = _sgd_noise_gain(train.local_steps, train.lr, train.momentum, train.weight_decay)
     return dim * (dp.noise_multiplier * dp.clip_norm / divisor) ** 2 * gain
 

@@ -14,8 +14,10 @@ not a DP release. And ‖Δ_k‖² of a DP-SGD update is mostly the DP noise's: 
 parameters, σ = 2, C = 0.1, q = 0.05) a client's noise energy E‖ν_k‖² = d (ησC/(q n_k))² is 0.03 to 28 against at most
 C² = 0.01 of clipped signal, so left in h_k it shrinks every step to Σ F_k / (Σ F_k + 62). `dp_noise_correction`
 (default on) subtracts that public expectation (fairfl.privacy.update_noise_energy; clamped at 0), an estimate of the
-signal's ‖Δ_k‖²: post-processing, no privacy cost. FedFDP's own DP-q-FFL baseline is a different procedure (q-FedSGD
-per sample inside the client's DP-SGD, seed-fedfdp §8.1); this one is q-FedAvg on the server, fed with DP releases.
+signal's ‖Δ_k‖²: post-processing, no privacy cost. The expectation uses the client's reported n_k, as FedAvg's
+weights do: a client that understates it raises its noise estimate, lowers its h_k and so gains weight. FedFDP's own
+DP-q-FFL baseline is a different procedure (q-FedSGD per sample inside the client's DP-SGD, seed-fedfdp §8.1); this
+one is q-FedAvg on the server, fed with DP releases.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.synchronize import Event
@@ -108,6 +109,7 @@ def fork_available() -> bool:
 
 
 _autograd_fork_broken = False  # once a forked child cannot run autograd, no later one can
+PROBE_TIMEOUT_S = 10.0
 
 
 def autograd_survives_fork() -> bool:
@@ -136,8 +138,15 @@ def _forked_child_runs_autograd() -> bool:
             code = 0
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)  # a child that hangs (a lock held by another thread at the fork) cannot train either
+    os.waitpid(pid, 0)
+    return False
 
 
 class WorkerRefused(Exception):

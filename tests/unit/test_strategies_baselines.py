@@ -223,27 +223,36 @@ def test_qffl_two_clients_closed_form() -> None:
 
 
 def test_dp_qffl_takes_the_dp_noise_energy_out_of_h() -> None:
-    """DP-q-FFL: each update is a signal plus DP-SGD noise of a public expected energy d (ησC/(q n_k))² (K = 1, plain
-    SGD). Without the correction h_k counts the noise and the step shrinks to ΣF/(ΣF + Σ noise); with it, h_k sees
-    the signal's ‖Δ_k‖² (here exactly 0, so the step is L ΣF / L ΣF = 1). noisy_loss is F̃_k."""
+    """DP-q-FFL: each update is a signal s_k plus DP-SGD noise ν_k (orthogonal here: s_k on coordinate 0, ν_k on the
+    rest) with ‖ν_k‖² equal to its public expectation d (ησC/(q n_k))² (K = 1, plain SGD). With the correction h_k
+    sees ‖s_k‖² (over- or under-subtracting moves the weights); without it, ‖s_k‖² + ‖ν_k‖². F_k is noisy_loss."""
     dim, lr, n = 4000, 1.0, (200, 800)
     dp = federation_pb2.DpSgd(sample_rate=0.05, noise_multiplier=2.0, clip_norm=0.1, loss_noise_multiplier=5.0)
     cfg = federation_pb2.LocalTrainingConfig(local_steps=1, lr=lr, dp=dp)
     ctx = RoundContext("r", 1, torch.zeros(dim), [0, 1], cfg, lambda _: tensor_pb2.BlobRef())
-    energies = [dim * (lr * 2.0 * 0.1 / (0.05 * k)) ** 2 for k in n]  # 4.0 and 0.25
+    energies = [dim * (lr * 2.0 * 0.1 / (0.05 * k)) ** 2 for k in n]  # 1.6 and 0.1
+    signals, losses = (0.6, 0.3), (1.0, 2.0)
     gen = torch.Generator().manual_seed(0)
     results = []
     for cid, (k, energy) in enumerate(zip(n, energies, strict=True)):
         noise = torch.randn(dim, generator=gen)
-        r = result(cid, (noise * math.sqrt(energy) / noise.norm()).tolist(), loss_before=9.0, n=k)
-        r.noisy_loss = 1.0 + cid  # F̃: the DP release q-FFL weighs by under DP
+        noise[0] = 0.0
+        update = noise * math.sqrt(energy) / noise.norm()
+        update[0] = signals[cid]
+        r = result(cid, update.tolist(), loss_before=9.0, n=k)
+        r.noisy_loss = losses[cid]  # F̃: the DP release q-FFL weighs by under DP
         results.append(r)
+
+    def weights(sq_norms: Sequence[float]) -> dict[int, float]:  # q = 1, L = 1/η = 1: h_k = ‖Δ_k‖² + F_k
+        total = sum(sq + f for sq, f in zip(sq_norms, losses, strict=True))
+        return {cid: f / total for cid, f in enumerate(losses)}
+
     corrected = aggregate(strategy("qffl", q=1.0), ctx, results)
     raw = aggregate(strategy("qffl", q=1.0, dp_noise_correction=False), ctx, results)
-    assert corrected.metrics["step_scale"] == pytest.approx(1.0, rel=1e-5)  # h = L F̃: no curvature left
-    assert corrected.weights == pytest.approx({0: 1 / 3, 1: 2 / 3}, rel=1e-5)  # L F̃_k / Σ L F̃_j
-    sum_f = 1.0 + 2.0
-    assert raw.metrics["step_scale"] == pytest.approx(sum_f / (sum_f + sum(energies)), rel=1e-5)  # = 3 / 7.25
+    assert corrected.weights == pytest.approx(weights([x * x for x in signals]), rel=1e-5)
+    assert raw.weights == pytest.approx(weights([x * x + e for x, e in zip(signals, energies, strict=True)]), rel=1e-5)
+    assert corrected.metrics["step_scale"] == pytest.approx(3.0 / 3.45, rel=1e-5)  # ΣF / (Σ‖s‖² + ΣF)
+    assert raw.metrics["step_scale"] == pytest.approx(3.0 / 5.15, rel=1e-5)  # the noise (1.7) dwarfs the signal
 
 
 def test_dp_qffl_noise_correction_needs_sgd() -> None:
