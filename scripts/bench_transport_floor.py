@@ -18,8 +18,9 @@ all-participating preset: 10 clients on 2 agents, MLP 784-200-200-10, 0.8 MB a m
   lo, 16 bytes a parameter; issue #21's planned agent-side folding): 2 calls instead of 10, and 20% fewer bytes
   (3.2 MB an agent instead of 4.0 MB);
 - both gRPC shapes again, tuned: a grpc.aio server (one event loop, no thread-pool hand-off per call) and 1 MiB TCP
-  read chunks on both ends (gRPC core's default starts at 8 KiB). The best of the settings tried by hand at c28f3b7+
-  (HTTP/2 max_frame_size 16 MiB, bdp_probe off and a 4 MiB write buffer changed nothing beyond the run-to-run noise);
+  read chunks on both ends (gRPC core's default starts at 8 KiB): the settings that looked cheapest, by about 10%, in
+  short trials by hand at c28f3b7 (HTTP/2 max_frame_size 16 MiB, bdp_probe off and a 4 MiB write buffer changed
+  nothing beyond the run-to-run noise there);
 - a TLS socket (Python's ssl module, mutual TLS with the same certificates), each update received with recv_into into
   a preallocated buffer: what a bulk path beside gRPC could cost.
 
