@@ -9,6 +9,9 @@ aggregator processes read FAIRFL_DP_RANDOMNESS (default secure); in-process runs
 It also holds the accountant's sound range: the parameters for which dp_accounting 0.6.0 (RDP and PLD) returns a
 finite, non-zero ε on which both accountants agree, in reasonable time and memory. The experiment config refuses
 values outside it at load and the privacy service refuses them in every request (fairfl/accounting.py).
+
+And the scale of DP-SGD's noise in a client's update: the divisor of a noisy sum, which the agent divides by, and the
+noise's expected energy in the update it releases, which the aggregator may discount (DP-q-FFL's h_k).
 """
 
 from __future__ import annotations
