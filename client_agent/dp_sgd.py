@@ -275,8 +275,9 @@ def _layerwise_clipped_sum(
     # With a prox term, ‖g_j + p‖² = ‖g_j‖² + 2⟨g_j, p⟩ + ‖p‖² cancels when p is near −g_j: its terms are summed in
     # float64, so the per-sample norm, and with it the bound ‖c_j (g_j + p)‖ ≤ C, keeps float32's relative precision.
     acc = torch.float64 if prox is not None else torch.float32
+    prox_acc = {k: p.to(acc) for k, p in prox.items()} if prox is not None else None  # once, not per chunk
     # ‖p‖² over every parameter, a layer that did not run included (its g_j is 0, its p_j is not)
-    prox_sq = _squared_norm(p.to(acc) for p in prox.values()) if prox is not None else None
+    prox_sq = _squared_norm(prox_acc.values()) if prox_acc is not None else None
     loss_total = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, len(y), chunk):
         xb, yb = x[start : start + chunk], y[start : start + chunk]
@@ -306,8 +307,8 @@ def _layerwise_clipped_sum(
         parts = []
         for m, delta in zip(used, deltas, strict=True):
             a = captured[m][0]
-            p_weight = prox[names[id(m.weight)]].to(acc) if prox is not None else None
-            p_bias = prox[names[id(m.bias)]].to(acc) if prox is not None and m.bias is not None else None
+            p_weight = prox_acc[names[id(m.weight)]] if prox_acc is not None else None
+            p_bias = prox_acc[names[id(m.bias)]] if prox_acc is not None and m.bias is not None else None
             if isinstance(m, nn.Linear):
                 if a.dim() != 2:
                     raise ValueError("layerwise clipping supports Linear layers on (batch, features) inputs only")

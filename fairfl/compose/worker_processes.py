@@ -126,9 +126,14 @@ def autograd_survives_fork() -> bool:
     return not _autograd_fork_broken
 
 
-def _forked_child_runs_autograd() -> bool:
-    for stream in (sys.stdout, sys.stderr):  # else the child would flush our buffered output a second time
+def _flush_standard_streams() -> None:
+    """Before a fork: else the child would flush our buffered output a second time."""
+    for stream in (sys.stdout, sys.stderr):
         stream.flush()
+
+
+def _forked_child_runs_autograd() -> bool:
+    _flush_standard_streams()
     pid = os.fork()
     if pid == 0:  # the child: one backward on the CPU, then leave without running the parent's exit handlers
         code = 1
@@ -188,8 +193,7 @@ class WorkerProcess:
         self._sent = self._read = 0
         context = multiprocessing.get_context("fork")
         self.conn, child_end = Channel.pair()
-        for stream in (sys.stdout, sys.stderr):  # else the child would flush our buffered output a second time
-            stream.flush()
+        _flush_standard_streams()
         self.process = context.Process(
             target=_serve,
             args=(child_end, [*others, self.conn], make_runtime, wire_layout, halt, os.getpid()),
