@@ -3,6 +3,7 @@
     python scripts/results.py                          # everything in docs/results/results.yaml (hours on 2 cores)
     python scripts/results.py --only hicsfl-fmnist-setting2,fedfdp-fmnist-small
     python scripts/results.py --list                   # what would run, and how many runs each has
+    python scripts/results.py --list --since COMMIT    # and how many of them already ran at COMMIT or later
     python scripts/results.py --index                  # only rewrite docs/results/claims.md from the folders
     python scripts/results.py --verify                 # does this checkout still make the committed results?
 
@@ -47,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from fairfl.compose.compare import ComparisonSpec, RunSpec, load_comparison  # noqa: E402
 from fairfl.compose.compare.report import CLAIM_HEADINGS, claim_cells  # noqa: E402
+from fairfl.compose.compare.runner import finished_before  # noqa: E402
 from fairfl.compose.provenance import (  # noqa: E402
     descends_from,
     resolve_commit,
@@ -160,6 +162,67 @@ def ran_since(entry: Entry, since: str | None) -> bool:
         return False
     same = record.get("command") == shlex.join(entry.command())
     return same and record.get("exit_code") == 0 and descends_from(record.get("revision"), since)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a re-measurement from commit `since` has come in one entry: its runs, how many of them already ran at
+    that commit or later, and what the rest took when they last ran (their recorded run time, and how many of those
+    runs had a GPU), to plan the sessions that remain."""
+
+    runs: int
+    current: int
+    stale_seconds: float
+    stale_on_gpu: int
+
+    def describe(self, since: str) -> str:
+        text = f"{self.current} ran at {since[:10]} or later"
+        if self.current == self.runs:
+            return text + ": done"
+        text += f", {self.runs - self.current} to run"
+        if self.stale_seconds:
+            text += f" (last time {self.stale_seconds / 3600:.2f} h of run time"
+            text += f", {self.stale_on_gpu} of those runs on a GPU)" if self.stale_on_gpu else ")"
+        return text
+
+
+def progress(entry: Entry, since: str) -> Progress:
+    """An entry's Progress since commit `since`, read from its folder (fairfl compare's own reuse rule decides which
+    pairs count as current)."""
+    if entry.run:
+        folders, current = [entry.output], [ran_since(entry, since)]
+    else:
+        spec = load_comparison(entry.compare)
+        transport = entry.transport or spec.transport
+        pairs = [(run, seed) for run in spec.runs for seed in run.seeds]
+        folders = [entry.output / run.slug / f"seed{seed}" for run, seed in pairs]
+        current = [finished_before(spec, run, seed, entry.output, transport, since) is not None for run, seed in pairs]
+    seconds, on_gpu = 0.0, 0
+    for folder, done in zip(folders, current, strict=True):
+        if not done:
+            taken, gpu = _last_run_cost(folder)
+            seconds, on_gpu = seconds + taken, on_gpu + gpu
+    return Progress(len(folders), sum(current), seconds, on_gpu)
+
+
+def _last_run_cost(folder: Path) -> tuple[float, bool]:
+    """The run time a folder's last run recorded (results.json, or a run entry's provenance.json) and whether a GPU
+    ran it; (0, False) for a folder that never ran."""
+    provenance, results = (_read_json(folder / name) for name in ("provenance.json", "results.json"))
+    try:
+        seconds = float(results.get("wall_seconds") or provenance.get("wall_seconds") or 0)
+    except (TypeError, ValueError):
+        seconds = 0.0
+    machine = provenance.get("machine")
+    return seconds, isinstance(machine, dict) and bool(machine.get("cuda"))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def run_entry(entry: Entry, since: str | None = None) -> int:
@@ -362,10 +425,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         chosen = [e for e in entries if e.name in names]
+    since = None
+    if args.since:
+        try:
+            since = resolve_commit(args.since)
+        except ValueError as err:
+            print(f"error: --since: {err}", file=sys.stderr)
+            return 2
     if args.list:
         for e in chosen:
             size = sum(len(r.seeds) for r in load_comparison(e.compare).runs) if e.compare else 1
-            print(f"{e.name}: {size} run(s): {shlex.join(e.command())}")
+            state = f"; {progress(e, since).describe(since)}" if since else ""
+            print(f"{e.name}: {size} run(s){state}: {shlex.join(e.command())}")
         return 0
     if args.verify:
         return run_verification(chosen)
@@ -379,13 +450,6 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        since = None
-        if args.since:
-            try:
-                since = resolve_commit(args.since)
-            except ValueError as err:
-                print(f"error: --since: {err}", file=sys.stderr)
-                return 2
         print(f"re-running {len(chosen)} result(s) at {revision_text(revision)}", flush=True)
         for entry in chosen:
             code = run_entry(entry, since)

@@ -272,6 +272,59 @@ def test_verify_reruns_one_committed_run_and_compares_its_final_model(
     assert "| cmp | A seed 0 | skipped |" in table
 
 
+def test_list_since_counts_the_runs_still_to_re_run_and_what_they_took(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--list --since C` plans a re-measurement spread over sessions: per entry, how many runs already ran at C or
+    later (fairfl compare's own reuse rule) and the run time, and GPUs, the others took last time."""
+    import subprocess
+
+    from fairfl.compose.provenance import resolve_commit
+
+    head = resolve_commit("HEAD")
+    root = subprocess.run(
+        ["git", "rev-list", "--max-parents=0", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    monkeypatch.chdir(tmp_path)
+    manifest = [{"name": "cmp", "compare": "tiny.compare.yaml"}, {"name": "one", "run": "base.yaml"}]
+    path = federation(tmp_path, manifest)
+    cmp, one = results.load_manifest(path)
+    subprocess.run(
+        [sys.executable, "-m", "fairfl.compose", "compare", str(tmp_path / "tiny.compare.yaml"), "--output",
+         str(tmp_path / cmp.output), "--jobs", "1"],
+        cwd=REPO, check=True, capture_output=True,
+    )  # fmt: skip
+    pairs = sorted((tmp_path / cmp.output).glob("*/seed*"))
+    assert len(pairs) == 3
+
+    def ran_at(run_dir: Path, revision: str, cuda: str | None = None) -> float:
+        provenance = json.loads((run_dir / "provenance.json").read_text())
+        machine = {**provenance["machine"], "cuda": cuda}
+        (run_dir / "provenance.json").write_text(json.dumps({**provenance, "revision": revision, "machine": machine}))
+        return float(json.loads((run_dir / "results.json").read_text())["wall_seconds"])
+
+    for run_dir in pairs:
+        ran_at(run_dir, head)
+    assert results.progress(cmp, head) == results.Progress(3, 3, 0.0, 0)
+    if root == head:
+        return  # a one-commit history has no older commit to have run at
+    taken = ran_at(pairs[0], root) + ran_at(pairs[1], root, cuda="NVIDIA H200")
+    state = results.progress(cmp, head)
+    assert (state.runs, state.current, state.stale_on_gpu) == (3, 1, 1)
+    assert state.stale_seconds == pytest.approx(taken) and taken > 0
+    assert results.progress(cmp, root).current == 3  # every pair ran at root or later
+    assert results.progress(one, head) == results.Progress(1, 0, 0.0, 0)  # never ran
+
+    monkeypatch.setattr(results, "REPO", tmp_path)  # main() works from the repository's root: here, tmp_path
+    monkeypatch.setattr(results, "MANIFEST", path)
+    assert results.main(["--list", "--since", head]) == 0
+    out = capsys.readouterr().out
+    assert f"cmp: 3 run(s); 1 ran at {head[:10]} or later, 2 to run (last time" in out
+    assert "1 of those runs on a GPU)" in out and "one: 1 run(s); 0 ran at" in out
+    assert results.main(["--list", "--since", "no-such-commit"]) == 2
+    assert "--since: 'no-such-commit' is not a commit" in capsys.readouterr().err
+
+
 def test_verification_exits_1_when_a_run_differs_or_fails_and_stops_when_interrupted(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
