@@ -9,6 +9,12 @@ the global model (ClientResult.loss_before) and x_k the local model after traini
     x_{t+1} = x_t − Σ_k Δ_k^q / Σ_k h_k  =  x_t + Σ_k c_k Δ_k,   c_k = L F_k^q / Σ_j h_j.
 The second form is what runs: one weighted fold of the raw updates. `server_lr` multiplies the step (1.0 = paper).
 Reported weights are the c_k (they sum to ≤ 1: Σ h also carries the curvature term); `step_scale` = Σ c_k.
+`weighting` says how the objective's p_k enter. The paper samples client k with probability p_k = n_k / n and sums
+uniformly; a platform sampler picks clients uniformly (or all of them), so `uniform` (the default, and Flower's
+QFedAvg) optimises Σ F_k^{q+1}/(q+1) over clients, and `samples` weighs each participant's Δ_k^q and h_k by its n_k,
+    x_{t+1} = x_t − Σ_k n_k Δ_k^q / Σ_k n_k h_k,
+which is the paper's Σ p_k F_k^{q+1}/(q+1) under uniform sampling; with q = 0 it is FedAvg. The two agree when clients
+hold equal shares (Table 1's shards).
 Under privacy.enabled (DP-q-FFL) F_k is the client's noisy loss release F̃_k, clamped at 0: the plaintext loss_before is
 not a DP release. And ‖Δ_k‖² of a DP-SGD update is mostly the DP noise's: with the paper's FedAvgCNN (582,026
 parameters, σ = 2, C = 0.1, q = 0.05) a client's noise energy E‖ν_k‖² = d (ησC/(q n_k))² is 0.03 to 28 against at most
@@ -41,22 +47,32 @@ if TYPE_CHECKING:
     from fairfl.config import ExperimentConfig
 
 
+WEIGHTINGS = ("uniform", "samples")
+
+
 @dataclass
 class QFFLParams:
     q: float = 0.1  # FedEBA+ grid {0.001, 0.01, 0.1, 0.5, 10, 15}; FedFDP's reference code uses 1.0
     lipschitz: float = 0.0  # L; 0 = 1 / (the round's client lr), as in the paper's q-FedAvg
     dp_noise_correction: bool = True  # under DP: h_k's ‖Δ_k‖² less the DP noise's expected energy (module docstring)
+    weighting: str = "uniform"  # how p_k enters: "uniform" over participants, or "samples" (∝ n_k; module docstring)
 
     def validate(self, path: str) -> None:
         require_finite(path, q=self.q, lipschitz=self.lipschitz)
+        if self.weighting not in WEIGHTINGS:
+            raise ConfigError(f"{path}.weighting: {self.weighting!r} is not one of {', '.join(WEIGHTINGS)}")
         if self.q < 0:
             raise ConfigError(f"{path}.q: must be >= 0, got {self.q}")
         if self.lipschitz < 0:
             raise ConfigError(f"{path}.lipschitz: must be >= 0 (0 = 1/lr), got {self.lipschitz}")
 
 
-def qffl_coefficients(losses: np.ndarray, sq_norms: np.ndarray, q: float, lipschitz: float) -> np.ndarray:
-    """c_k = L F_k^q / Σ_j h_j in float64 (see the module docstring); all zeros when Σ h = 0 (every F_k = 0)."""
+def qffl_coefficients(
+    losses: np.ndarray, sq_norms: np.ndarray, q: float, lipschitz: float, shares: np.ndarray | None = None
+) -> np.ndarray:
+    """c_k = ω_k L F_k^q / Σ_j ω_j h_j in float64 (see the module docstring), ω the clients' shares (1 each when
+    None; their scale cancels); all zeros when Σ ω h = 0 (every F_k = 0)."""
+    shares = np.ones_like(losses) if shares is None else shares
     fq = np.power(losses, q)  # 0^0 = 1: with q = 0 every client counts once
     if q == 0:
         curvature = np.zeros_like(losses)  # q F^{q-1} with q = 0 vanishes, even at F = 0
@@ -69,10 +85,10 @@ def qffl_coefficients(losses: np.ndarray, sq_norms: np.ndarray, q: float, lipsch
         power = np.where(positive, np.power(base, q - 1.0), at_zero)
         curvature = q * power * lipschitz**2 * sq_norms  # ‖Δw_k‖² = L² ‖Δ_k‖²
     h = curvature + lipschitz * fq
-    total = float(h.sum())
+    total = float(shares @ h)
     if total <= 0:
         return np.zeros_like(losses)
-    return lipschitz * fq / total
+    return shares * lipschitz * fq / total
 
 
 class QFFL(Strategy):
@@ -108,7 +124,11 @@ class QFFL(Strategy):
             dim = ctx.params.numel()
             noise = np.array([update_noise_energy(ctx.train_config, r.num_samples, dim) for r in results])
             sq_norms = np.maximum(sq_norms - noise, 0.0)
-        coefs = qffl_coefficients(losses, sq_norms, self.params.q, lipschitz).tolist()
+        shares = None
+        if self.params.weighting == "samples":
+            sizes = np.array([r.num_samples for r in results], dtype=np.float64)
+            shares = sizes / sizes.mean()  # mean 1: the same scale as uniform's ones
+        coefs = qffl_coefficients(losses, sq_norms, self.params.q, lipschitz, shares).tolist()
         step = weighted_sum(updates, coefs)
         metrics = weight_entropy_metrics(coefs)
         metrics["step_scale"] = math.fsum(coefs)

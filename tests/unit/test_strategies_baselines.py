@@ -4,6 +4,7 @@ FedFair with λ = 0 is FedAvg bit for bit, q-FFL with q = 0 is FedAvg (equal cli
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -101,6 +102,7 @@ def test_defaults() -> None:
         ("qffl", {"q": -0.1}, "q"),
         ("qffl", {"q": float("nan")}, "q"),
         ("qffl", {"lipschitz": -1.0}, "lipschitz"),
+        ("qffl", {"weighting": "clients"}, "weighting"),
         ("afl", {"lambda_lr": -0.1}, "lambda_lr"),
         ("fedmgda_plus", {"epsilon": 1.5}, "epsilon"),
         ("fedmgda_plus", {"epsilon": -0.01}, "epsilon"),
@@ -188,16 +190,20 @@ def test_fedfair_initial_loss_and_zero_lambda_still_sends_fair_step() -> None:
 # --- q-FFL ----------------------------------------------------------------------------------------------------------
 
 
-def qffl_by_hand(x: Sequence[float], results: Sequence[ClientResult], q: float, lipschitz: float) -> torch.Tensor:
-    """The q-FedAvg update exactly as printed (Li et al. 2020, Algorithm 3), in float64."""
+def qffl_by_hand(
+    x: Sequence[float], results: Sequence[ClientResult], q: float, lipschitz: float, by_samples: bool = False
+) -> torch.Tensor:
+    """The q-FedAvg update exactly as printed (Li et al. 2020, Algorithm 3), in float64; `by_samples` weighs each
+    client's Δ_k^q and h_k by its n_k (p_k under uniform sampling)."""
     x_t = torch.tensor(x, dtype=torch.float64)
     deltas, hs = [], []
     for r in results:
         x_k = x_t + r.payloads[UPDATE].double()
         dw = lipschitz * (x_t - x_k)
         f = r.loss_before
-        deltas.append(f**q * dw)
-        hs.append(q * f ** (q - 1) * float(dw @ dw) + lipschitz * f**q)
+        p = r.num_samples if by_samples else 1
+        deltas.append(p * f**q * dw)
+        hs.append(p * (q * f ** (q - 1) * float(dw @ dw) + lipschitz * f**q))
     return x_t - sum(deltas) / sum(hs)
 
 
@@ -210,6 +216,26 @@ def test_qffl_matches_hand_computation(q: float, lr: float, lipschitz: float) ->
     assert torch.allclose(out.params.double(), want, atol=1e-6, rtol=0)
     assert out.metrics["lipschitz"] == pytest.approx(big_l)
     assert 0 < out.metrics["step_scale"] <= 1.0
+
+
+@pytest.mark.parametrize("q", [0.5, 2.0])
+def test_qffl_weighted_by_samples_matches_hand_computation(q: float) -> None:
+    ctx = context(X0, [0, 1, 2], lr=0.1)
+    out = aggregate(strategy("qffl", q=q, weighting="samples"), ctx, THREE)
+    assert torch.allclose(out.params.double(), qffl_by_hand(X0, THREE, q, 10.0, by_samples=True), atol=1e-6, rtol=0)
+    uniform = aggregate(strategy("qffl", q=q), ctx, THREE)
+    assert out.weights[2] / out.weights[0] == pytest.approx(6.0 * uniform.weights[2] / uniform.weights[0])  # n: 60/10
+
+
+def test_qffl_weighted_by_samples_with_q0_is_fedavg_and_equal_shares_change_nothing() -> None:
+    ctx = context(X0, [0, 1, 2])
+    fedavg = aggregate(strategy("fedavg"), ctx, THREE)
+    out = aggregate(strategy("qffl", q=0.0, weighting="samples"), ctx, THREE)
+    assert torch.allclose(out.params, fedavg.params, atol=1e-7, rtol=0)
+    assert out.weights == pytest.approx({0: 0.1, 1: 0.3, 2: 0.6})
+    equal = [dataclasses.replace(r, num_samples=600) for r in THREE]
+    by_samples = aggregate(strategy("qffl", q=1.0, weighting="samples"), ctx, equal)
+    assert torch.equal(by_samples.params, aggregate(strategy("qffl", q=1.0), ctx, equal).params)
 
 
 def test_qffl_two_clients_closed_form() -> None:
