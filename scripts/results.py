@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from fairfl.compose.compare import ComparisonSpec, RunSpec, load_comparison  # noqa: E402
 from fairfl.compose.compare.report import CLAIM_HEADINGS, claim_cells  # noqa: E402
-from fairfl.compose.compare.runner import finished_before  # noqa: E402
+from fairfl.compose.compare.runner import FINISHED_STATE, finished_before  # noqa: E402
 from fairfl.compose.provenance import (  # noqa: E402
     descends_from,
     resolve_commit,
@@ -166,23 +166,26 @@ def ran_since(entry: Entry, since: str | None) -> bool:
 
 @dataclass(frozen=True)
 class Progress:
-    """How far a re-measurement from commit `since` has come in one entry: its runs, how many of them already ran at
-    that commit or later, and what the rest took when they last ran (their recorded run time, and how many of those
-    runs had a GPU), to plan the sessions that remain."""
+    """How far a re-measurement from commit `since` has come in one entry, to plan the sessions that remain: its runs,
+    how many already ran at that commit or later, and for the rest what their last finished runs took (run time, and
+    how many of those ran partly on a GPU). A run interrupted or killed last time has no finished time to go by."""
 
     runs: int
     current: int
-    stale_seconds: float
-    stale_on_gpu: int
+    finished: int  # of the runs still to do, those whose folder holds a finished earlier run
+    finished_seconds: float
+    finished_on_gpu: int
 
     def describe(self, since: str) -> str:
-        text = f"{self.current} ran at {since[:10]} or later"
+        text = f"{self.current} ran at {since[:12]} or later"
         if self.current == self.runs:
             return text + ": done"
-        text += f", {self.runs - self.current} to run"
-        if self.stale_seconds:
-            text += f" (last time {self.stale_seconds / 3600:.2f} h of run time"
-            text += f", {self.stale_on_gpu} of those runs on a GPU)" if self.stale_on_gpu else ")"
+        todo = self.runs - self.current
+        text += f", {todo} to run"
+        if self.finished:
+            gpu = f", {self.finished_on_gpu} of them partly on a GPU" if self.finished_on_gpu else ""
+            text += f" ({self.finished} finished before in {self.finished_seconds / 3600:.2f} h of run time{gpu}"
+            text += f"; {todo - self.finished} never finished)" if todo > self.finished else ")"
         return text
 
 
@@ -197,24 +200,27 @@ def progress(entry: Entry, since: str) -> Progress:
         pairs = [(run, seed) for run in spec.runs for seed in run.seeds]
         folders = [entry.output / run.slug / f"seed{seed}" for run, seed in pairs]
         current = [finished_before(spec, run, seed, entry.output, transport, since) is not None for run, seed in pairs]
-    seconds, on_gpu = 0.0, 0
-    for folder, done in zip(folders, current, strict=True):
-        if not done:
-            taken, gpu = _last_run_cost(folder)
-            seconds, on_gpu = seconds + taken, on_gpu + gpu
-    return Progress(len(folders), sum(current), seconds, on_gpu)
+    costs = [_finished_run_cost(folder) for folder, done in zip(folders, current, strict=True) if not done]
+    finished = [cost for cost in costs if cost is not None]
+    seconds = sum(taken for taken, _ in finished)
+    return Progress(len(folders), sum(current), len(finished), seconds, sum(gpu for _, gpu in finished))
 
 
-def _last_run_cost(folder: Path) -> tuple[float, bool]:
-    """The run time a folder's last run recorded (results.json, or a run entry's provenance.json) and whether a GPU
-    ran it; (0, False) for a folder that never ran."""
+def _finished_run_cost(folder: Path) -> tuple[float, bool] | None:
+    """The run time of the finished run a folder holds (a comparison pair's results.json, or a run entry's
+    provenance.json) and whether any of its segments ran on a GPU; None when it holds none (never run, interrupted,
+    failed)."""
     provenance, results = (_read_json(folder / name) for name in ("provenance.json", "results.json"))
-    try:
-        seconds = float(results.get("wall_seconds") or provenance.get("wall_seconds") or 0)
-    except (TypeError, ValueError):
-        seconds = 0.0
-    machine = provenance.get("machine")
-    return seconds, isinstance(machine, dict) and bool(machine.get("cuda"))
+    if results.get("state") == FINISHED_STATE:
+        seconds = results.get("wall_seconds")
+    elif provenance.get("exit_code") == 0:
+        seconds = provenance.get("wall_seconds")
+    else:
+        return None
+    if not isinstance(seconds, int | float):
+        return None
+    segments = run_segments(folder)
+    return float(seconds), any(isinstance(s.get("machine"), dict) and s["machine"].get("cuda") for s in segments)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -405,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "--since",
         metavar="COMMIT",
         help="reuse only results that ran at COMMIT or a later commit (every other run runs again); default: reuse "
-        "every finished run of the same experiment",
+        "every finished run of the same experiment. With --list: how many runs of each entry ran at COMMIT or later",
     )
     args = parser.parse_args(argv)
     os.chdir(REPO)  # the manifest's paths, and the ones reports print, are relative to the repository

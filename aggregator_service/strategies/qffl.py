@@ -10,18 +10,20 @@ the global model (ClientResult.loss_before) and x_k the local model after traini
 The second form is what runs: one weighted fold of the raw updates. `server_lr` multiplies the step (1.0 = paper).
 Reported weights are the c_k (they sum to ≤ 1: Σ h also carries the curvature term); `step_scale` = Σ c_k.
 `weighting` says how the objective's p_k enter. The paper samples client k with probability p_k = n_k / n and sums
-uniformly; a platform sampler picks clients uniformly (or all of them), so `uniform` (the default, and Flower's
-QFedAvg) optimises Σ F_k^{q+1}/(q+1) over clients, and `samples` weighs each participant's Δ_k^q and h_k by its n_k,
+uniformly. Under uniform sampling (`random`) or full participation, `uniform` (the default, and Flower's QFedAvg)
+optimises Σ F_k^{q+1}/(q+1) over clients, and `samples` weighs each participant's Δ_k^q and h_k by its n_k,
     x_{t+1} = x_t − Σ_k n_k Δ_k^q / Σ_k n_k h_k,
-which is the paper's Σ p_k F_k^{q+1}/(q+1) under uniform sampling; with q = 0 it is FedAvg. The two agree when clients
-hold equal shares (Table 1's shards).
+which is the paper's Σ p_k F_k^{q+1}/(q+1); with q = 0 it is FedAvg. The two agree when clients hold equal shares
+(Table 1's shards). A sampler that already draws clients in proportion to n_k (clustered sampling, power-of-choice's
+candidates) counts n_k once more under `samples`.
 Under privacy.enabled (DP-q-FFL) F_k is the client's noisy loss release F̃_k, clamped at 0: the plaintext loss_before is
 not a DP release. And ‖Δ_k‖² of a DP-SGD update is mostly the DP noise's: with the paper's FedAvgCNN (582,026
 parameters, σ = 2, C = 0.1, q = 0.05) a client's noise energy E‖ν_k‖² = d (ησC/(q n_k))² is 0.03 to 28 against at most
 C² = 0.01 of clipped signal, so left in h_k it shrinks every step to Σ F_k / (Σ F_k + 62). `dp_noise_correction`
 (default on) subtracts that public expectation (fairfl.privacy.update_noise_energy; clamped at 0), an estimate of the
 signal's ‖Δ_k‖²: post-processing, no privacy cost. The expectation uses the client's reported n_k, as FedAvg's
-weights do: a client that understates it raises its noise estimate, lowers its h_k and so gains weight. FedFDP's own
+weights do: a client that understates it raises its noise estimate, lowers its h_k and so gains weight (and under
+`weighting: samples` one that overstates it gains weight as in FedAvg). FedFDP's own
 DP-q-FFL baseline is a different procedure (q-FedSGD per sample inside the client's DP-SGD, seed-fedfdp §8.1); this
 one is q-FedAvg on the server, fed with DP releases.
 """
@@ -85,7 +87,7 @@ def qffl_coefficients(
         power = np.where(positive, np.power(base, q - 1.0), at_zero)
         curvature = q * power * lipschitz**2 * sq_norms  # ‖Δw_k‖² = L² ‖Δ_k‖²
     h = curvature + lipschitz * fq
-    total = float(shares @ h)
+    total = float((shares * h).sum())  # with ones, h.sum() to the bit (a BLAS dot can round otherwise)
     if total <= 0:
         return np.zeros_like(losses)
     return shares * lipschitz * fq / total

@@ -276,7 +276,8 @@ def test_list_since_counts_the_runs_still_to_re_run_and_what_they_took(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--list --since C` plans a re-measurement spread over sessions: per entry, how many runs already ran at C or
-    later (fairfl compare's own reuse rule) and the run time, and GPUs, the others took last time."""
+    later (fairfl compare's own reuse rule) and what the others' finished runs took last time, and on what."""
+    import shlex
     import subprocess
 
     from fairfl.compose.provenance import resolve_commit
@@ -297,32 +298,45 @@ def test_list_since_counts_the_runs_still_to_re_run_and_what_they_took(
     pairs = sorted((tmp_path / cmp.output).glob("*/seed*"))
     assert len(pairs) == 3
 
-    def ran_at(run_dir: Path, revision: str, cuda: str | None = None) -> float:
+    def ran_at(run_dir: Path, revision: str, resumed_on_gpu: bool = False) -> float:
         provenance = json.loads((run_dir / "provenance.json").read_text())
-        machine = {**provenance["machine"], "cuda": cuda}
-        (run_dir / "provenance.json").write_text(json.dumps({**provenance, "revision": revision, "machine": machine}))
+        gpu_segment = {**provenance, "machine": {**provenance["machine"], "cuda": "NVIDIA H200"}, "after_round": 1}
+        record = {**provenance, "revision": revision, "resumed": [gpu_segment] if resumed_on_gpu else []}
+        (run_dir / "provenance.json").write_text(json.dumps(record))
         return float(json.loads((run_dir / "results.json").read_text())["wall_seconds"])
 
     for run_dir in pairs:
         ran_at(run_dir, head)
-    assert results.progress(cmp, head) == results.Progress(3, 3, 0.0, 0)
-    if root == head:
-        return  # a one-commit history has no older commit to have run at
-    taken = ran_at(pairs[0], root) + ran_at(pairs[1], root, cuda="NVIDIA H200")
-    state = results.progress(cmp, head)
-    assert (state.runs, state.current, state.stale_on_gpu) == (3, 1, 1)
-    assert state.stale_seconds == pytest.approx(taken) and taken > 0
-    assert results.progress(cmp, root).current == 3  # every pair ran at root or later
-    assert results.progress(one, head) == results.Progress(1, 0, 0.0, 0)  # never ran
+    assert results.progress(cmp, head) == results.Progress(3, 3, 0, 0.0, 0)
+    assert results.progress(one, head) == results.Progress(1, 0, 0, 0.0, 0)  # never ran
+    one.output.mkdir(parents=True)
+    record = {"command": shlex.join(one.command()), "revision": head, "exit_code": 0, "wall_seconds": 7.5}
+    (one.output / "provenance.json").write_text(json.dumps(record))
+    assert results.progress(one, head) == results.Progress(1, 1, 0, 0.0, 0)
 
     monkeypatch.setattr(results, "REPO", tmp_path)  # main() works from the repository's root: here, tmp_path
     monkeypatch.setattr(results, "MANIFEST", path)
     assert results.main(["--list", "--since", head]) == 0
     out = capsys.readouterr().out
-    assert f"cmp: 3 run(s); 1 ran at {head[:10]} or later, 2 to run (last time" in out
-    assert "1 of those runs on a GPU)" in out and "one: 1 run(s); 0 ran at" in out
+    assert f"cmp: 3 run(s); 3 ran at {head[:12]} or later: done" in out
+    assert f"one: 1 run(s); 1 ran at {head[:12]} or later: done" in out
     assert results.main(["--list", "--since", "no-such-commit"]) == 2
     assert "--since: 'no-such-commit' is not a commit" in capsys.readouterr().err
+
+    if root == head:
+        pytest.skip("a one-commit history has no older commit for a run to have run at")
+    taken = ran_at(pairs[0], root) + ran_at(pairs[1], root, resumed_on_gpu=True)
+    interrupted = json.loads((pairs[2] / "results.json").read_text())
+    (pairs[2] / "results.json").write_text(json.dumps({**interrupted, "state": "RUN_STATE_STOPPED"}))
+    ran_at(pairs[2], root)  # stopped part-way: stale, with no finished time to plan by
+    state = results.progress(cmp, head)
+    assert (state.runs, state.current, state.finished, state.finished_on_gpu) == (3, 0, 2, 1)
+    assert state.finished_seconds == pytest.approx(taken) and taken > 0
+    assert results.progress(cmp, root).current == 2  # the stopped run is not reused at any commit
+    assert results.main(["--list", "--since", head]) == 0
+    out = capsys.readouterr().out
+    assert "cmp: 3 run(s); 0 ran at" in out and ", 3 to run (2 finished before in" in out
+    assert "h of run time, 1 of them partly on a GPU; 1 never finished)" in out
 
 
 def test_verification_exits_1_when_a_run_differs_or_fails_and_stops_when_interrupted(

@@ -1,6 +1,7 @@
 """Fairness baselines (FedProx, FedFair, q-FFL, AFL, FedMGDA+, TERM): update rules against hand computations on
 small vectors, parameter validation, and the acceptance identities on real training with the in-process engine:
-FedFair with λ = 0 is FedAvg bit for bit, q-FFL with q = 0 is FedAvg (equal client sizes) within 1e-6."""
+FedFair with λ = 0 is FedAvg bit for bit, q-FFL with q = 0 is FedAvg within 1e-6 (equal client sizes, or any sizes
+with `weighting: samples`)."""
 
 from __future__ import annotations
 
