@@ -238,6 +238,13 @@ def test_since_runs_again_what_ran_before_that_commit(tmp_path: Path) -> None:
     md = (tmp_path / "report" / "comparison.md").read_text()
     assert f"--resume --since {head}" in md
 
+    legacy = report_dir / "seed0"  # a pair from before provenance.json: its commit was in revision.txt
+    (legacy / "provenance.json").unlink()
+    (legacy / "revision.txt").write_text(oldest + "\n")
+    third = compare(tmp_path, "--resume", "--since", head)
+    assert "FedAvg seed 0: ok" in third.stdout, third.stdout + third.stderr  # (seed 1 too, from a dirty tree)
+    assert (legacy / "provenance.json").is_file() and not (legacy / "revision.txt").exists()  # no stale commit left
+
     refused = compare(tmp_path, "--since", head)
     assert refused.returncode == 2 and "--since picks which finished runs --resume reuses" in refused.stderr
     unknown = compare(tmp_path, "--resume", "--since", "no-such-commit")

@@ -42,6 +42,7 @@ from fairfl.cores import usable_cores
 
 LOG_TAIL_LINES = 20
 FINISHED_STATE = "RUN_STATE_COMPLETED"
+LEGACY_REVISION_FILE = "revision.txt"  # a pair's commit before provenance.json recorded it
 CHECKPOINT_DIR = "checkpoint"  # an in-process pair's checkpoints while it runs (runtime.checkpoint_dir)
 
 
@@ -122,7 +123,7 @@ def _revisions(run_dir: Path) -> list[tuple[str, int]]:
     except (KeyError, ValueError, TypeError):
         pass
     try:
-        revision = (run_dir / "revision.txt").read_text().strip()
+        revision = (run_dir / LEGACY_REVISION_FILE).read_text().strip()
         return [(revision, 0)] if revision else []
     except OSError:  # a pair finished before revisions were recorded
         return []
@@ -222,6 +223,7 @@ def _run_one(
             interrupted = None
     if interrupted is None:
         shutil.rmtree(checkpoints, ignore_errors=True)  # an older experiment's: never mixed into a new run
+        (run_dir / LEGACY_REVISION_FILE).unlink(missing_ok=True)  # an older run's commit: provenance.json has this one
         code = _start(cmd, run_dir, children, keep_log=keep_log)
     if code is None:
         return None
